@@ -1,0 +1,19 @@
+//! asyncllm's native core.
+//!
+//! `protocol` (the engine wire codec) and `detok` (batched incremental
+//! detokenization and stop strings) are pure Rust and never import pyo3, so
+//! `cargo test` and `cargo bench` need no Python. `py` is the only place that
+//! touches the interpreter: extract owned inputs, release the GIL, wrap results.
+
+pub mod detok;
+pub mod error;
+pub mod protocol;
+mod py;
+
+use pyo3::prelude::*;
+
+/// The `asyncllm._core` extension module: registration only.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    py::register(m)
+}

@@ -1,0 +1,26 @@
+//! The only modules that import pyo3: extract owned inputs, release the GIL,
+//! wrap the results.
+
+mod errors;
+
+use pyo3::prelude::*;
+
+/// Version of the native module, so the Python side can check it loaded the
+/// build it was packaged with.
+#[pyfunction]
+fn native_version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// Version byte of the wire schema this build speaks.
+#[pyfunction]
+fn wire_version() -> u8 {
+    crate::protocol::WIRE_VERSION
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(native_version, m)?)?;
+    m.add_function(wrap_pyfunction!(wire_version, m)?)?;
+    errors::register(m)?;
+    Ok(())
+}
