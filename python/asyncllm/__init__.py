@@ -1,6 +1,16 @@
 """asyncllm: an LLM inference engine whose per-step CPU work runs off the GIL."""
 
 from asyncllm._core import native_version as _native_version
+from asyncllm.config import EngineArgs
+from asyncllm.errors import (
+    AsyncLLMError,
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelLoadError,
+)
+from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -9,3 +19,30 @@ if _native_version() != __version__:  # pragma: no cover - a packaging error
         f"asyncllm {__version__} found native module asyncllm._core {_native_version()}; "
         "reinstall the package so both come from the same build"
     )
+
+
+
+def __getattr__(name: str) -> object:
+    # The engines pull in torch; load them on first use so that importing
+    # asyncllm (for SamplingParams, say) stays cheap.
+    if name == "LLM":
+        from asyncllm.frontend.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
+
+
+__all__ = [
+    "LLM",
+    "AsyncLLMError",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineArgs",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "Logprob",
+    "ModelLoadError",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]

@@ -1,0 +1,177 @@
+"""Engine configuration: `EngineArgs` as the user writes it, validated field by field.
+
+Values that need the model (its context length, its dtype) are resolved when the
+engine starts, by `EngineArgs.resolve`, into a frozen `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+_MAX_BLOCK_SIZE = 256
+_DEFAULT_CPU_KV_GIB = 1.0
+_DEFAULT_CUDA_KV_FRACTION = 0.8
+
+
+def _fail(name: str, value: object, allowed: str) -> ConfigError:
+    return ConfigError(f"EngineArgs.{name}={value!r} is invalid: must be {allowed}")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if ok and high is not None:
+        ok = value <= high  # type: ignore[operator]
+    if not ok:
+        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+        raise _fail(name, value, allowed)
+
+
+@dataclass
+class EngineArgs:
+    """Everything that shapes an engine. Field names follow vLLM's `EngineArgs`."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str | Path) or not str(self.model):
+            raise _fail("model", self.model, "the path of a local Hugging Face model directory")
+        self.model = str(self.model)
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str | Path):
+            raise _fail("tokenizer", self.tokenizer, "None or a local directory path")
+        if self.tokenizer is not None:
+            self.tokenizer = str(self.tokenizer)
+        if self.dtype not in DTYPES:
+            raise _fail("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise _fail("device", self.device, f"one of {', '.join(DEVICES)}")
+        _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
+        if self.block_size & (self.block_size - 1):
+            raise _fail("block_size", self.block_size, f"a power of two in [1, {_MAX_BLOCK_SIZE}]")
+        if self.kv_cache_memory_gib is not None and not (
+            isinstance(self.kv_cache_memory_gib, int | float)
+            and not isinstance(self.kv_cache_memory_gib, bool)
+            and 0 < self.kv_cache_memory_gib <= 4096
+        ):
+            raise _fail("kv_cache_memory_gib", self.kv_cache_memory_gib, "None or in (0, 4096]")
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.num_kv_blocks is not None and self.kv_cache_memory_gib is not None:
+            raise ConfigError(
+                "EngineArgs.num_kv_blocks and EngineArgs.kv_cache_memory_gib are exclusive: "
+                "give the KV-cache size one way"
+            )
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 65536)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise _fail("enable_prefix_caching", self.enable_prefix_caching, "a bool")
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments, naming any unknown one."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+    def resolve(self, hf_config: Any) -> EngineConfig:
+        """Resolve model-dependent values against the model's Hugging Face config."""
+        import torch
+
+        model_max = _model_context_len(hf_config)
+        max_model_len = self.max_model_len or model_max
+        if model_max is not None and max_model_len > model_max:
+            raise _fail("max_model_len", self.max_model_len, f"<= the model's context {model_max}")
+        if max_model_len is None:
+            raise ConfigError(
+                "EngineArgs.max_model_len is required: the model config gives no context length"
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise _fail("device", self.device, "'cpu' or 'auto': CUDA is not available here")
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype_name = self.dtype
+        if dtype_name == "auto":
+            dtype_name = _config_dtype(hf_config)
+            if device == "cpu" and dtype_name == "float16":
+                dtype_name = "float32"  # CPU half matmuls are slow and lossy; use fp32
+        if dtype_name == "float16" and device == "cpu":
+            raise _fail("dtype", self.dtype, "float32 or bfloat16 on the CPU")
+        kv_gib = self.kv_cache_memory_gib
+        if kv_gib is None and self.num_kv_blocks is None and device == "cpu":
+            kv_gib = _DEFAULT_CPU_KV_GIB
+        return EngineConfig(
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            dtype=getattr(torch, dtype_name),
+            device=torch.device(device),
+            block_size=self.block_size,
+            kv_cache_memory_gib=kv_gib,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            cuda_kv_fraction=_DEFAULT_CUDA_KV_FRACTION,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved, immutable configuration the engine core runs with."""
+
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    kv_cache_memory_gib: float | None
+    num_kv_blocks: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool
+    seed: int
+    cuda_kv_fraction: float
+
+
+def _model_context_len(hf_config: Any) -> int | None:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _config_dtype(hf_config: Any) -> str:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(value).removeprefix("torch.") if value is not None else "float32"
+    return name if name in DTYPES else "float32"

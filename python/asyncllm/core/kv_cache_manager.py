@@ -1,0 +1,123 @@
+"""Maps requests to KV-cache blocks: allocation, prefix-cache lookups, freeing."""
+
+from __future__ import annotations
+
+from asyncllm.core.block_pool import BlockPool, KVBlock
+from asyncllm.core.request import Request
+
+
+class KVCacheManager:
+    """Every request owns a list of blocks (its block table); blocks may be shared
+    with other requests through the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached full blocks that starts the request's tokens,
+        and the number of tokens they cover. Called once, before a request's first
+        allocation. At least one token is always left to compute, since the model
+        must produce logits for the last one."""
+        hashes = request.block_hashes
+        if not self.enable_caching or hashes is None or request.sampling_params.prompt_logprobs:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get = self.pool.get_cached_block
+        blocks = []
+        for key in hashes[:max_blocks]:
+            block = get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_tokens
+        return blocks, num_tokens
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> bool:
+        """Whether `allocate` would succeed for these arguments."""
+        return self._num_blocks_needed(request, num_new_tokens, computed) <= self._num_available(
+            computed
+        )
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> list[KVBlock] | None:
+        """Give the request room for `num_new_tokens` more tokens after its computed
+        ones (and after the prefix-cache blocks `computed`, which it now shares).
+        Returns the blocks appended to its table, or None when the pool is too
+        small (nothing is changed then)."""
+        needed = self._num_blocks_needed(request, num_new_tokens, computed)
+        if needed > self._num_available(computed):
+            return None
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
+            self._num_cached_blocks[request.request_id] = 0
+        added: list[KVBlock] = []
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            added.extend(computed)
+            self._num_cached_blocks[request.request_id] = len(blocks)
+        if needed > 0:
+            new = self.pool.get_new_blocks(needed)
+            blocks.extend(new)
+            added.extend(new)
+        return added
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks that its computed tokens now fill, so
+        later requests can share them. Called after each step that computed tokens."""
+        hashes = request.block_hashes
+        if not self.enable_caching or hashes is None:
+            return
+        rid = request.request_id
+        num_full = min(request.num_computed_tokens // self.block_size, len(hashes))
+        done = self._num_cached_blocks[rid]
+        if num_full > done:
+            self.pool.cache_full_blocks(self.req_to_blocks[rid], hashes, done, num_full)
+            self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return all the request's blocks. The tail goes first on the free list, so
+        a shared prefix outlives the suffixes that hang off it."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _num_blocks_needed(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None
+    ) -> int:
+        num_computed = request.num_computed_tokens + (len(computed) * self.block_size if computed else 0)
+        total = -(-(num_computed + num_new_tokens) // self.block_size)
+        have = len(self.req_to_blocks.get(request.request_id, ())) + (len(computed) if computed else 0)
+        return max(0, total - have)
+
+    def _num_available(self, computed: list[KVBlock] | None) -> int:
+        # Cached blocks we are about to share but that sit on the free list stop
+        # being available once we take them.
+        free = self.pool.num_free_blocks
+        if computed:
+            free -= sum(1 for b in computed if b.ref_cnt == 0)
+        return free

@@ -1,0 +1,162 @@
+"""A request as the engine core sees it: token ids, progress and its stop state."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+from asyncllm.sampling_params import SamplingParams
+
+# A block's identity in the prefix cache: the previous block's hash and this block's
+# tokens. Keeping the tokens in the key makes a cache hit exact, not probabilistic.
+BlockHash = tuple[int, tuple[int, ...]]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence in the engine core.
+
+    `all_token_ids` is the prompt followed by the generated tokens;
+    `num_computed_tokens` counts the leading tokens whose K/V sit in the cache.
+    `block_hashes` holds the prefix-cache key of every full block of
+    `all_token_ids`; the prompt's are computed here, at construction, so the busy
+    loop only ever hashes the one block a decode step fills.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "max_tokens",
+        "stop_token_ids",
+        "status",
+        "stop_reason",
+        "error",
+        "arrival_time",
+        "priority",
+        "block_size",
+        "block_hashes",
+        "num_preemptions",
+        "num_cached_prompt_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        block_size: int,
+        hash_blocks: bool,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        room = max_model_len - self.num_prompt_tokens
+        wanted = sampling_params.max_tokens
+        self.max_tokens = room if wanted is None else min(wanted, room)
+        stops = set(sampling_params.stop_token_ids or ())
+        if not sampling_params.ignore_eos:
+            stops.update(eos_token_ids)
+        self.stop_token_ids = frozenset(stops)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.error: str | None = None
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.block_size = block_size
+        self.block_hashes: list[BlockHash] | None = [] if hash_blocks else None
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0
+        self._hash_full_blocks()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if self.block_hashes is not None and len(self.all_token_ids) % self.block_size == 0:
+            self._hash_full_blocks()
+
+    def check_stop(self, token_id: int) -> bool:
+        """Called after `token_id` was appended; marks the request finished if it
+        must stop here. Returns whether it did."""
+        n_out = self.num_output_tokens
+        if token_id in self.stop_token_ids and n_out > self.sampling_params.min_tokens:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token_id
+            return True
+        if n_out >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _hash_full_blocks(self) -> None:
+        hashes = self.block_hashes
+        if hashes is None:
+            return
+        size = self.block_size
+        tokens = self.all_token_ids
+        parent = hash(hashes[-1]) if hashes else 0
+        for start in range(len(hashes) * size, len(tokens) - size + 1, size):
+            key: BlockHash = (parent, tuple(tokens[start : start + size]))
+            hashes.append(key)
+            parent = hash(key)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+    def __lt__(self, other: Any) -> bool:  # for priority queues: priority, then arrival
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)

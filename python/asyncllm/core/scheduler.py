@@ -1,0 +1,216 @@
+"""The scheduler: one token budget per step, shared by decodes and prompt chunks.
+
+Each step, running requests get their next token first (a decode, or the next
+chunk of a prompt that did not fit before); waiting requests then get prompt
+tokens with what is left of `max_num_batched_tokens` and `max_num_seqs`. When the
+KV pool runs dry the most recently admitted running request is preempted: its
+blocks are freed and it is recomputed later (its own blocks often come back from
+the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from asyncllm.core.kv_cache_manager import KVCacheManager
+from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # Requests that left since the last schedule(); the runner drops them.
+        self._finished_ids: set[str] = set()
+
+    # -- admission and removal ------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or otherwise finish) requests from outside the step; their blocks
+        are freed at once. Unknown or already finished ids are ignored."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        # 1. Running requests, oldest first; the newest are preempted when needed.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                added = kv.allocate(request, num_new)
+                if added is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                num_scheduled.pop(victim.request_id, None)
+                if victim is request:
+                    break
+            if added is None:
+                break  # the request preempted itself: nothing left to run it with
+            if added:
+                new_block_ids[request.request_id] = [b.block_id for b in added]
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in order, while budget, seats and blocks last.
+        waiting = self.waiting
+        if not preempted:
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                request = waiting[0]
+                computed, num_cached = (
+                    kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else ([], 0)
+                )
+                num_new = min(request.num_tokens - num_cached, budget)
+                added = kv.allocate(request, num_new, computed)
+                if added is None:
+                    break
+                waiting.popleft()
+                request.num_computed_tokens = num_cached
+                if request.num_preemptions == 0:
+                    request.num_cached_prompt_tokens = num_cached
+                request.status = RequestStatus.RUNNING
+                running.append(request)
+                rid = request.request_id
+                num_scheduled[rid] = num_new
+                budget -= num_new
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=rid,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling_params=request.sampling_params,
+                        block_ids=kv.block_ids(rid),
+                        num_computed_tokens=num_cached,
+                        stop_token_ids=request.stop_token_ids,
+                    )
+                )
+
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            new_reqs=new_reqs,
+            new_block_ids=new_block_ids,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance every scheduled request by its computed tokens, append the
+        sampled token of those that were sampled, and finish the ones that must
+        stop. Returns the requests that produced a token this step (finished or
+        not), in batch order."""
+        kv = self.kv_cache
+        requests = self.requests
+        stepped: list[Request] = []
+        finished = False
+        for rid, num in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None:
+                continue  # aborted after scheduling
+            request.num_computed_tokens += num
+            kv.cache_blocks(request)
+            token = sampled.get(rid)
+            if token is None:
+                continue  # mid-prompt chunk: nothing sampled yet
+            request.append_output_token(token)
+            if request.check_stop(token):
+                finished = True
+            stepped.append(request)
+        if finished:
+            for request in stepped:
+                if request.is_finished:
+                    self.running.remove(request)
+                    self._free(request)
+        return stepped
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- internals ------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)

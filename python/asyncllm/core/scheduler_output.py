@@ -1,0 +1,40 @@
+"""What the scheduler hands the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no row for: first scheduled, or resumed after
+    preemption (then `token_ids` includes the tokens generated before it)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. `num_scheduled_tokens` is in batch order: running requests
+    first, then new ones. Requests of `finished_req_ids` and `preempted_req_ids`
+    left the batch since the previous step; the runner drops their rows."""
+
+    new_reqs: list[NewRequestData]
+    # req_id -> block ids appended to a running request's table this step
+    new_block_ids: dict[str, list[int]]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,1 @@
+"""The engine core: one step = schedule -> execute the model -> update from output."""

@@ -1,0 +1,131 @@
+"""EngineCore: the scheduler, the KV cache and the model runner, driven one step
+at a time. It knows token ids only; tokenizing and detokenizing live in the
+front end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.core.kv_cache_manager import KVCacheManager
+from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.scheduler import Scheduler, SchedulerStats
+from asyncllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from asyncllm.errors import InvalidRequestError
+from asyncllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hf_config: Any, eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.runner = ModelRunner(config, hf_config)
+        self.vocab_size = self.runner.vocab_size
+        self.num_kv_blocks = self.runner.num_blocks
+        self.kv_cache = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+        logger.info(
+            "engine core ready: %d KV blocks of %d tokens, max_model_len=%d, device=%s",
+            self.num_kv_blocks,
+            config.block_size,
+            config.max_model_len,
+            config.device,
+        )
+
+    # -- requests -------------------------------------------------------------
+
+    def make_request(self, req: EngineCoreRequest) -> Request:
+        """Validate and build the core's request (including its prompt block
+        hashes). Pure: safe to run off the busy loop. Raises InvalidRequestError."""
+        n = len(req.prompt_token_ids)
+        limit = self.config.max_model_len
+        if n == 0:
+            raise InvalidRequestError(f"request {req.request_id!r}: the prompt is empty")
+        if n >= limit:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: the prompt has {n} tokens; max_model_len={limit} "
+                f"leaves room for at most {limit - 1} prompt tokens and one generated token"
+            )
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: prompt token id {bad} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        p = req.sampling_params
+        bad = next((t for t in p.stop_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: stop token id {bad} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        return Request(
+            req.request_id,
+            req.prompt_token_ids,
+            p,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=limit,
+            block_size=self.config.block_size,
+            hash_blocks=self.config.enable_prefix_caching,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+        )
+
+    def add_request(self, req: EngineCoreRequest | Request) -> None:
+        request = req if isinstance(req, Request) else self.make_request(req)
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish the requests now and free their blocks; returns their final outputs."""
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step -------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, and turn the sampled tokens into outputs."""
+        scheduler = self.scheduler
+        so = scheduler.schedule()
+        runner_out = self.runner.execute_model(so)
+        stepped = scheduler.update_from_output(so, runner_out.sampled)
+        logprobs = runner_out.logprobs
+        prompt_logprobs = runner_out.prompt_logprobs
+        outputs = []
+        for request in stepped:
+            rid = request.request_id
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    [request.all_token_ids[-1]],
+                    request.finish_reason,
+                    request.stop_reason,
+                    logprobs.get(rid) if logprobs else None,
+                    prompt_logprobs.get(rid) if prompt_logprobs else None,
+                    request.num_cached_prompt_tokens,
+                )
+            )
+        return EngineCoreOutputs(outputs, scheduler.make_stats(), time.monotonic())
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.pool.reset_prefix_cache()

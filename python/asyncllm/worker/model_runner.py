@@ -1,0 +1,161 @@
+"""The model runner: turns a `SchedulerOutput` into one forward pass and samples.
+
+Contract: `execute_model` is called once per step with the scheduler's plan and
+returns the token sampled for every request whose known tokens are now all in the
+KV cache (a request in the middle of a chunked prompt gets none). All per-step
+inputs are gathered with vectorised numpy from the persistent `InputBatch`; the
+only per-request Python work is bookkeeping for requests that joined or left.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.engine.messages import Logprobs
+from asyncllm.models.attention import build_attention_metadata
+from asyncllm.models.loader import load_model
+from asyncllm.worker.input_batch import InputBatch
+from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
+from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
+from asyncllm.worker.sampling_metadata import build_sampling_metadata
+from asyncllm.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # complete prompt logprobs, delivered once the whole prompt has been computed
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: Any) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, hf_config, config.dtype, config.device)
+        self.vocab_size = int(self.model.vocab_size)
+        self.num_blocks = num_kv_blocks_for(config, self.model)
+        self.kv_caches = allocate_kv_caches(config, self.model, self.num_blocks)
+        max_blocks_per_req = -(-config.max_model_len // config.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
+        generator = torch.Generator(device=config.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        # Seeded requests keep their generator across preemption, so a resumed
+        # request continues its random stream instead of restarting it.
+        self._generators: dict[str, torch.Generator] = {}
+        self._prompt_logprobs = PromptLogprobsCollector()
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        ib = self.input_batch
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput()
+
+        req_ids = list(so.num_scheduled_tokens)
+        n = len(req_ids)
+        q = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=n)
+        rows = np.fromiter((ib.rows[r] for r in req_ids), dtype=np.int64, count=n)
+        if not (q == 1).all():
+            # attention takes the 1-token queries (decodes) first
+            order = np.argsort(q != 1, kind="stable")
+            q, rows = q[order], rows[order]
+            req_ids = [req_ids[i] for i in order]
+        ctx = ib.num_computed[rows]
+        seq_lens = ctx + q
+        cu = np.cumsum(q)
+        total = int(cu[-1])
+        bs = self.block_size
+        if total == n:  # decode-only step: one token per request
+            tok_rows, pos = rows, ctx.astype(np.int64)
+        else:
+            tok_rows = np.repeat(rows, q)
+            pos = np.arange(total, dtype=np.int64) + np.repeat(ctx - (cu - q), q)
+        input_ids = ib.token_ids[tok_rows, pos]
+        slots = ib.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        max_nb = int((seq_lens.max() + bs - 1) // bs)
+        meta = build_attention_metadata(
+            q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids.astype(np.int64)).to(self.device),
+            torch.from_numpy(pos).to(self.device),
+            self.kv_caches,
+            meta,
+        )
+
+        done = seq_lens == ib.num_tokens[rows]  # all known tokens computed: sample
+        ib.num_computed[rows] = seq_lens
+        out = ModelRunnerOutput()
+        plp_rows = ib.num_prompt_logprobs[rows] >= 0
+        if plp_rows.any():
+            self._prompt_logprobs.collect(
+                self.model, hidden, ib, rows, req_ids, ctx, q, cu, plp_rows, out.prompt_logprobs
+            )
+        if not done.any():
+            return out
+        sample_rows = rows[done]
+        idx = torch.from_numpy((cu - 1)[done]).to(self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
+        result = self.sampler(logits, md)
+        sampled_np = result.sampled.cpu().numpy()
+        # the runner appends sampled tokens itself: next step's inputs come from here
+        nt = ib.num_tokens[sample_rows]
+        ib.token_ids[sample_rows, nt] = sampled_np
+        ib.num_tokens[sample_rows] = nt + 1
+        done_ids = [r for r, d in zip(req_ids, done.tolist(), strict=True) if d] if n != len(
+            sample_rows
+        ) else req_ids
+        out.sampled = dict(zip(done_ids, sampled_np.tolist(), strict=True))
+        if result.logprob_ids is not None:
+            self._collect_logprobs(out, result, done_ids, sample_rows)
+        return out
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        for rid in so.finished_req_ids:
+            ib.remove(rid)
+            self._generators.pop(rid, None)
+            self._prompt_logprobs.drop(rid)
+        for rid in so.preempted_req_ids:
+            ib.remove(rid)
+        for rid, block_ids in so.new_block_ids.items():
+            ib.append_blocks(rid, block_ids)
+        for new in so.new_reqs:
+            gen = self._generators.get(new.req_id)
+            seed = new.sampling_params.seed
+            if gen is None and seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(seed)
+                self._generators[new.req_id] = gen
+            ib.add(new, gen)
+
+    def _collect_logprobs(
+        self, out: ModelRunnerOutput, result: Any, req_ids: list[str], rows: np.ndarray
+    ) -> None:
+        wanted = self.input_batch.num_logprobs[rows]
+        ids = result.logprob_ids.tolist()
+        values = result.logprob_values.tolist()
+        ranks = result.logprob_ranks.tolist()
+        for i, rid in enumerate(req_ids):
+            k = int(wanted[i])
+            if k >= 0:
+                out.logprobs[rid] = Logprobs([ids[i][: k + 1]], [values[i][: k + 1]], [ranks[i]])
+
+    def reset_kv_cache(self) -> None:
+        for cache in self.kv_caches:
+            cache.zero_()
