@@ -1,0 +1,156 @@
+"""Offline throughput: asyncllm's `LLM` against transformers `generate`, and the
+engine's decode step against a bare plain-torch decode step (the floor).
+
+    python benches/bench_offline.py [--models micro small] [--repeats 3]
+
+Workloads (fixed seed): "fixed" = 256 requests, 32-token prompts, 128 output
+tokens; "mixed" = 256 requests, prompts of 16-512 tokens, outputs of 16-256.
+Every output ignores EOS so all systems produce the same number of tokens.
+transformers runs the same prompts in left-padded batches sorted by length
+(batch 64), generating each batch's longest output; only requested tokens count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import mean, median
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import time_floor_decode  # noqa: E402
+from models import build_model  # noqa: E402
+
+VOCAB = 32000
+
+
+def workload(name: str, num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    if name == "fixed":
+        lens, outs = [32] * num, [128] * num
+    else:
+        lens = torch.randint(16, 513, (num,), generator=g).tolist()
+        outs = torch.randint(16, 257, (num,), generator=g).tolist()
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
+    return prompts, outs
+
+
+def run_engine(model_dir: Path, prompts, outs, threads: int) -> dict:
+    from asyncllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096)
+    engine = llm.engine
+    step_times: list[tuple[float, int, bool]] = []
+    original = engine.step
+    sched = engine.core.scheduler
+
+    def timed_step():
+        decode_only = all(
+            r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
+        ) and not sched.waiting
+        batch = len(sched.running)
+        t0 = time.perf_counter()
+        result = original()
+        step_times.append((time.perf_counter() - t0, batch, decode_only))
+        return result
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    assert tokens == sum(outs)
+    decode256 = [t for t, b, d in step_times if d and b == 256]
+    return {
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "decode256_step_ms_mean": 1e3 * mean(decode256) if decode256 else None,
+        "num_decode256_steps": len(decode256),
+    }
+
+
+@torch.inference_mode()
+def run_transformers(model_dir: Path, prompts, outs, batch: int = 64) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    order = sorted(range(len(prompts)), key=lambda i: (outs[i], len(prompts[i])))
+    t0 = time.perf_counter()
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            n = len(prompts[i])
+            ids[row, width - n :] = torch.tensor(prompts[i])
+            mask[row, width - n :] = 1
+        new = max(outs[i] for i in idx)
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "tokens_per_s": sum(outs) / elapsed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["micro", "small"])
+    ap.add_argument("--workloads", nargs="+", default=["fixed", "mixed"])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per system; medians reported")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name in args.models:
+            model_dir = build_model(model_name, Path(tmp))
+            for wl in args.workloads:
+                prompts, outs = workload(wl, args.num_requests)
+                eng = [run_engine(model_dir, prompts, outs, threads) for _ in range(args.repeats)]
+                row = {
+                    "model": model_name,
+                    "workload": wl,
+                    "engine_tok_s": median(r["tokens_per_s"] for r in eng),
+                }
+                if not args.skip_transformers:
+                    hf = [run_transformers(model_dir, prompts, outs) for _ in range(args.repeats)]
+                    row["hf_tok_s"] = median(r["tokens_per_s"] for r in hf)
+                    row["ratio"] = row["engine_tok_s"] / row["hf_tok_s"]
+                steps = [r["decode256_step_ms_mean"] for r in eng if r["decode256_step_ms_mean"]]
+                if steps:
+                    ctx = 32 + 64 if wl == "fixed" else None
+                    row["decode256_step_ms"] = median(steps)
+                    if ctx is not None:
+                        floor = 1e3 * time_floor_decode(str(model_dir), 256, ctx)
+                        row["floor_step_ms"] = floor
+                        row["step_over_floor"] = row["decode256_step_ms"] / floor
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print()
+    print(f"torch threads: {threads}; medians of {args.repeats} runs")
+    print("| model | workload | asyncllm tok/s | transformers tok/s | ratio | decode step ms (b=256) | floor ms | step/floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def f(key, fmt="{:.1f}"):
+            return fmt.format(r[key]) if key in r else "–"
+        print(
+            f"| {r['model']} | {r['workload']} | {f('engine_tok_s')} | {f('hf_tok_s')} | "
+            f"{f('ratio', '{:.2f}×')} | {f('decode256_step_ms', '{:.2f}')} | "
+            f"{f('floor_step_ms', '{:.2f}')} | {f('step_over_floor', '{:.3f}')} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

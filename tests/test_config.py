@@ -1,0 +1,92 @@
+"""Every argument is checked, and the error names the field, the value and the range."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import ConfigError, EngineArgs, SamplingParams
+from asyncllm.sampling_params import RequestOutputKind
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("n", 0, ">= 1"),
+        ("max_tokens", 0, ">= 1"),
+        ("min_tokens", -1, ">= 0"),
+        ("temperature", -0.5, "[0, 100]"),
+        ("temperature", float("nan"), "[0, 100]"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("top_k", -2, "0 / -1 to disable"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("seed", -1, "2**64"),
+        ("stop", [""], "non-empty"),
+        ("stop", 5, "non-empty"),
+        ("stop_token_ids", [-1], "non-negative"),
+        ("logprobs", 21, "[0, 20]"),
+        ("prompt_logprobs", -1, "[0, 20]"),
+        ("repetition_penalty", 0.0, "(0, 10]"),
+        ("frequency_penalty", 2.5, "[-2, 2]"),
+        ("presence_penalty", -3, "[-2, 2]"),
+        ("ignore_eos", 1, "a bool"),
+        ("output_kind", 7, "CUMULATIVE"),
+    ],
+)
+def test_sampling_params_rejects(field, value, allowed):
+    with pytest.raises(ConfigError) as err:
+        SamplingParams(**{field: value})
+    message = str(err.value)
+    assert f"SamplingParams.{field}=" in message
+    assert repr(value) in message
+    assert allowed in message
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ConfigError, match=r"min_tokens=5 .* <= max_tokens \(3\)"):
+        SamplingParams(max_tokens=3, min_tokens=5)
+
+
+def test_sampling_params_defaults_and_normalisation():
+    p = SamplingParams(stop="###", output_kind=1)
+    assert p.stop_strings == ["###"]
+    assert p.output_kind is RequestOutputKind.DELTA
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(top_k=1).greedy
+    assert not SamplingParams().greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("dtype", "float64", "float32"),
+        ("device", "tpu", "cpu"),
+        ("block_size", 0, "[1, 256]"),
+        ("block_size", 24, "power of two"),
+        ("kv_cache_memory_gib", -1, "(0, 4096]"),
+        ("num_kv_blocks", 0, ">= 1"),
+        ("max_num_seqs", 0, "[1, 65536]"),
+        ("max_num_batched_tokens", 0, "[1, 1048576]"),
+        ("max_model_len", 0, ">= 1"),
+        ("enable_prefix_caching", "yes", "a bool"),
+        ("seed", -5, "[0,"),
+        ("model", "", "local Hugging Face model directory"),
+    ],
+)
+def test_engine_args_rejects(field, value, allowed):
+    kwargs = {"model": "/some/model", field: value}
+    with pytest.raises(ConfigError) as err:
+        EngineArgs(**kwargs)
+    message = str(err.value)
+    assert f"EngineArgs.{field}=" in message
+    assert allowed in message
+
+
+def test_engine_args_size_given_two_ways_rejected():
+    with pytest.raises(ConfigError, match="exclusive"):
+        EngineArgs(model="/m", num_kv_blocks=10, kv_cache_memory_gib=1)
+
+
+def test_unknown_engine_argument_named():
+    with pytest.raises(ConfigError, match="max_num_seq\\b"):
+        EngineArgs.from_kwargs(model="/m", max_num_seq=3)
