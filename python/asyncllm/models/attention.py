@@ -1,0 +1,211 @@
+"""Paged attention over a block-table KV cache, in plain torch.
+
+One code path serves decode, chunked prefill and prefix-cache hits: every step
+writes its new K/V into the cache through `slot_mapping`, then each query reads all
+keys up to its own position back from the cache through its block table.
+
+KV cache layout, per layer (allocated by the model runner):
+    [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+
+Everything that does not depend on the layer (block tables trimmed to what the step
+reads, key-padding and causal masks, prefill spans) is built once per step by
+`build_attention_metadata` and shared by every layer, so a layer does tensor work only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence with more than one query token in this step (a prompt chunk)."""
+
+    start: int  # its first token in the flattened batch
+    end: int  # one past its last token
+    context_len: int  # tokens already cached before this step
+    seq_len: int  # context_len + query_len: keys it attends to
+    # [ceil(seq_len / block_size)] int64; None when context_len == 0: the fresh k/v of
+    # the step are all its keys, so attention runs on them directly with `is_causal`.
+    block_table: torch.Tensor | None
+    # [query_len, seq_len] bool (True = attend): causal with an offset of context_len.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs for one step; built once per step."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    num_decodes: int  # the first num_decodes tokens are 1-token queries, one per sequence
+    num_tokens: int  # T
+    # Decodes: block tables [num_decodes, nb] int64 trimmed to the blocks the longest
+    # decode reads (padded with block 0, hidden by the mask); None without decodes.
+    decode_block_tables: torch.Tensor | None
+    decode_max_len: int  # keys gathered per decode: the longest decode's seq_len
+    # [num_decodes, 1, 1, decode_max_len] bool (True = attend); None when every decode
+    # has the same length and nothing needs hiding.
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Float versions of decode_mask per dtype, made by the first layer that needs one.
+    _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """decode_mask as an additive mask of `dtype` (0 / -inf), which the fused CPU
+        and CUDA kernels take without a per-call conversion; cached across layers."""
+        if self.decode_mask is None:
+            return None
+        mask = self._float_masks.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            mask.masked_fill_(~self.decode_mask, float("-inf"))
+            self._float_masks[dtype] = mask
+        return mask
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_tables: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build a step's metadata from the runner's per-sequence arrays (batch order, all
+    1-token queries first). `block_tables` rows may be padded past what a sequence owns;
+    only the first ceil(seq_len / block_size) entries of a row are read."""
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    seq_lens = context_lens + query_lens
+    num_seqs = len(query_lens)
+    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else num_seqs
+    if (query_lens[num_decodes:] == 1).any():
+        raise ValueError("sequences with query_len == 1 must come first in the batch")
+
+    decode_block_tables = None
+    decode_mask = None
+    decode_max_len = 0
+    if num_decodes:
+        dec_lens = seq_lens[:num_decodes]
+        decode_max_len = int(dec_lens.max())
+        num_blocks = -(-decode_max_len // block_size)
+        decode_block_tables = _to_device(block_tables[:num_decodes, :num_blocks], device)
+        if int(dec_lens.min()) != decode_max_len:
+            keep = np.arange(decode_max_len)[None, :] < dec_lens[:, None]
+            decode_mask = _to_device(keep[:, None, None, :], device)
+
+    prefills = []
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    for i in range(num_decodes, num_seqs):
+        ctx, seq_len = int(context_lens[i]), int(seq_lens[i])
+        table = mask = None
+        if ctx > 0:
+            table = _to_device(block_tables[i, : -(-seq_len // block_size)], device)
+            q_pos = np.arange(ctx, seq_len)[:, None]
+            mask = _to_device(np.arange(seq_len)[None, :] <= q_pos, device)
+        prefills.append(PrefillSpan(int(starts[i]), int(starts[i + 1]), ctx, seq_len, table, mask))
+
+    return AttentionMetadata(
+        slot_mapping=_to_device(slot_mapping, device, dtype=np.int64),
+        num_decodes=num_decodes,
+        num_tokens=int(starts[-1]),
+        decode_block_tables=decode_block_tables,
+        decode_max_len=decode_max_len,
+        decode_mask=decode_mask,
+        prefills=prefills,
+    )
+
+
+def _to_device(array: np.ndarray, device: torch.device, dtype: type | None = None) -> torch.Tensor:
+    """A host array as a tensor on `device`; int arrays become int64 for indexing."""
+    array = np.ascontiguousarray(array, dtype=dtype or (np.int64 if array.dtype != bool else bool))
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the step's k/v [T, Hkv, D] at their cache slots."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over each sequence's cached keys, after writing this
+    step's k/v [T, Hkv, D]; returns [T, Hq * D] in q's dtype."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+
+    outputs = []
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        outputs.append(_decode_attention(q[:num_decodes], kv_cache, meta, scale))
+    for span in meta.prefills:
+        if span.block_table is None:
+            keys, values = k[span.start : span.end], v[span.start : span.end]
+        else:
+            kv = kv_cache[:, span.block_table].flatten(1, 2)[:, : span.seq_len]
+            keys, values = kv[0], kv[1]
+        out = F.scaled_dot_product_attention(
+            q[span.start : span.end].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        outputs.append(out.transpose(0, 1).reshape(span.end - span.start, num_heads * head_dim))
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat(outputs, dim=0)
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """All decodes in one batched SDPA. The query heads that share a KV head are laid
+    out as that head's query rows ([B, Hkv, group, D]), so grouped-query attention
+    needs neither repeated K/V nor `enable_gqa`; returns [B, Hq * D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[-2]
+    assert meta.decode_block_tables is not None
+    tables = meta.decode_block_tables
+    # One gather for K and V together, into a reused workspace: a fresh multi-MiB
+    # tensor per layer costs more in page faults than the copy itself.
+    flat = kv_cache.view(2, kv_cache.shape[1], -1)
+    out_shape = (2, tables.numel(), flat.shape[2])
+    gathered = torch.index_select(flat, 1, tables.view(-1), out=_workspace(out_shape, flat))
+    kv = gathered.view(2, batch, -1, num_kv_heads, head_dim)[:, :, : meta.decode_max_len]
+    kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
+    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q, kv[0], kv[1], attn_mask=meta.decode_mask_as(q.dtype), scale=scale
+    )
+    return out.reshape(batch, num_heads * head_dim)
+
+
+_WORKSPACES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _workspace(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A scratch tensor of `shape`, reused across layers and steps (grown on demand);
+    its contents are garbage until written."""
+    key = (like.dtype, like.device)
+    numel = int(np.prod(shape))
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _WORKSPACES[key] = buf
+    return buf[:numel].view(shape)
