@@ -1,13 +1,58 @@
 //! The engine wire protocol: message types, framing, encode/decode. Pure Rust.
+//!
+//! A frame is `[message type: u8][WIRE_VERSION: u8][msgpack body]`. Each body is
+//! a positional msgpack array (never a map) whose layout is fixed per message
+//! type and version; token ids and other bulk arrays travel as msgpack `bin` of
+//! raw little-endian 4-byte items. Layouts (`?` = nil or the value):
+//!
+//! ```text
+//! AddRequests    [[wire_id, prompt_token_ids:bin, arrival_time:f64, priority:int,
+//!                  max_tokens, min_tokens, temperature:f32, top_p:f32, top_k:int,
+//!                  min_p:f32, seed?, stop_token_ids:bin, ignore_eos:bool, logprobs?,
+//!                  prompt_logprobs?, repetition_penalty:f32, frequency_penalty:f32,
+//!                  presence_penalty:f32], ...]
+//! Abort          [[wire_id, ...]]
+//! UtilityCall    [call_id, method:str, args:value]
+//! UtilityResult  [call_id, ok:bool, value (ok) | error message:str (not ok)]
+//! Ready          [max_model_len, num_kv_blocks, block_size, vocab_size, eos_token_ids:bin]
+//! EngineError    [message:str]
+//! Shutdown       []
+//! OutputBatch    [[[wire_id, new_token_ids:bin, finish_reason?:u8, stop_reason?,
+//!                   error?:str, logprobs?, prompt_logprobs?], ...],
+//!                 [num_running, num_waiting, kv_cache_usage:f32, prefix_cache_queries,
+//!                  prefix_cache_hits, num_preemptions],
+//!                 timestamp:f64]
+//! Logprobs       [num_positions, width, token_ids:bin, logprobs:bin(f32), ranks:bin]
+//! ```
+//!
+//! Golden frames of every message live in `tests/fixtures/wire/`; the Rust and
+//! the Python tests both decode them.
 
-use thiserror::Error;
+mod decode;
+mod encode;
+mod error;
+mod frame;
+mod messages;
+mod reader;
+mod value;
+mod writer;
+
+#[cfg(test)]
+mod tests;
+
+pub use decode::{decode, decode_with_limit};
+pub use encode::{
+    encode, encode_abort, encode_add_requests, encode_engine_error, encode_output_batch,
+    encode_ready, encode_shutdown, encode_utility_call, encode_utility_result, OutputBatchWriter,
+    RequestOutputRef,
+};
+pub use error::{WireError, WireResult};
+pub use frame::{split_frame, DEFAULT_MAX_FRAME_SIZE, HEADER_LEN};
+pub use messages::{
+    AddRequest, FinishReason, Logprobs, Message, MessageType, OutputBatch, Ready, RequestOutput,
+    SchedulerStats,
+};
+pub use value::{Value, MAX_VALUE_DEPTH};
 
 /// Version byte carried by every frame; bumped on any schema change.
 pub const WIRE_VERSION: u8 = 1;
-
-/// Why a frame could not be decoded or a message could not be encoded.
-#[derive(Debug, Error, PartialEq, Eq)]
-pub enum WireError {
-    #[error("truncated frame: {0}")]
-    Truncated(String),
-}

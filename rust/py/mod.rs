@@ -1,6 +1,7 @@
 //! The only modules that import pyo3: extract owned inputs, release the GIL,
 //! wrap the results.
 
+mod codec;
 mod errors;
 
 use pyo3::prelude::*;
@@ -22,5 +23,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(native_version, m)?)?;
     m.add_function(wrap_pyfunction!(wire_version, m)?)?;
     errors::register(m)?;
+    codec::register(m)?;
     Ok(())
 }

@@ -1,0 +1,215 @@
+//! Decoders: the inverse of `encode.rs`. Strict about every field's type and
+//! every array's length; a frame with bytes after its body is rejected too.
+
+use super::encode::{
+    ADD_REQUEST_FIELDS, LOGPROBS_FIELDS, OUTPUT_BATCH_FIELDS, READY_FIELDS, REQUEST_OUTPUT_FIELDS,
+    STATS_FIELDS,
+};
+use super::error::{WireError, WireResult};
+use super::frame::{split_frame, DEFAULT_MAX_FRAME_SIZE};
+use super::messages::{
+    AddRequest, FinishReason, Logprobs, Message, MessageType, OutputBatch, Ready, RequestOutput,
+    SchedulerStats,
+};
+use super::reader::Reader;
+use super::value::read_value;
+
+/// Decodes a frame of at most `DEFAULT_MAX_FRAME_SIZE` bytes.
+pub fn decode(frame: &[u8]) -> WireResult<Message> {
+    decode_with_limit(frame, DEFAULT_MAX_FRAME_SIZE)
+}
+
+/// Decodes a frame, rejecting it if it is larger than `max_frame_size` bytes.
+pub fn decode_with_limit(frame: &[u8], max_frame_size: usize) -> WireResult<Message> {
+    let (message_type, body) = split_frame(frame, max_frame_size)?;
+    let mut r = Reader::new(body);
+    let message = match message_type {
+        MessageType::AddRequests => Message::AddRequests(read_add_requests(&mut r)?),
+        MessageType::Abort => read_abort(&mut r)?,
+        MessageType::UtilityCall => read_utility_call(&mut r)?,
+        MessageType::UtilityResult => read_utility_result(&mut r)?,
+        MessageType::Ready => Message::Ready(read_ready(&mut r)?),
+        MessageType::EngineError => {
+            r.expect_array(1, "EngineError")?;
+            Message::EngineError {
+                message: r.str("EngineError.message")?.to_string(),
+            }
+        }
+        MessageType::Shutdown => {
+            r.expect_array(0, "Shutdown")?;
+            Message::Shutdown
+        }
+        MessageType::OutputBatch => Message::OutputBatch(read_output_batch(&mut r)?),
+    };
+    if r.remaining() != 0 {
+        return Err(WireError::TrailingBytes {
+            message: message_type.name(),
+            count: r.remaining(),
+        });
+    }
+    Ok(message)
+}
+
+fn read_add_requests(r: &mut Reader<'_>) -> WireResult<Vec<AddRequest>> {
+    let n = r.array_len("AddRequests")?;
+    let mut requests = Vec::with_capacity(n);
+    for i in 0..n {
+        requests.push(read_add_request(r).map_err(|e| e.within(&format!("AddRequests[{i}]")))?);
+    }
+    Ok(requests)
+}
+
+fn read_add_request(r: &mut Reader<'_>) -> WireResult<AddRequest> {
+    r.expect_array(ADD_REQUEST_FIELDS, "")?;
+    Ok(AddRequest {
+        wire_id: r.u64("wire_id")?,
+        prompt_token_ids: r.u32s("prompt_token_ids")?,
+        arrival_time: r.f64("arrival_time")?,
+        priority: r.i32("priority")?,
+        max_tokens: r.u32("max_tokens")?,
+        min_tokens: r.u32("min_tokens")?,
+        temperature: r.f32("temperature")?,
+        top_p: r.f32("top_p")?,
+        top_k: r.i32("top_k")?,
+        min_p: r.f32("min_p")?,
+        seed: r.opt(|r| r.u64("seed"))?,
+        stop_token_ids: r.u32s("stop_token_ids")?,
+        ignore_eos: r.bool("ignore_eos")?,
+        logprobs: r.opt(|r| r.u32("logprobs"))?,
+        prompt_logprobs: r.opt(|r| r.u32("prompt_logprobs"))?,
+        repetition_penalty: r.f32("repetition_penalty")?,
+        frequency_penalty: r.f32("frequency_penalty")?,
+        presence_penalty: r.f32("presence_penalty")?,
+    })
+}
+
+fn read_abort(r: &mut Reader<'_>) -> WireResult<Message> {
+    r.expect_array(1, "Abort")?;
+    let n = r.array_len("Abort.wire_ids")?;
+    let mut wire_ids = Vec::with_capacity(n);
+    for i in 0..n {
+        wire_ids.push(
+            r.u64("Abort.wire_ids")
+                .map_err(|e| e.within(&format!("[{i}]")))?,
+        );
+    }
+    Ok(Message::Abort { wire_ids })
+}
+
+fn read_utility_call(r: &mut Reader<'_>) -> WireResult<Message> {
+    r.expect_array(3, "UtilityCall")?;
+    Ok(Message::UtilityCall {
+        call_id: r.u64("UtilityCall.call_id")?,
+        method: r.str("UtilityCall.method")?.to_string(),
+        args: read_value(r, "UtilityCall.args")?,
+    })
+}
+
+fn read_utility_result(r: &mut Reader<'_>) -> WireResult<Message> {
+    r.expect_array(3, "UtilityResult")?;
+    let call_id = r.u64("UtilityResult.call_id")?;
+    let result = if r.bool("UtilityResult.ok")? {
+        Ok(read_value(r, "UtilityResult.value")?)
+    } else {
+        Err(r.str("UtilityResult.error")?.to_string())
+    };
+    Ok(Message::UtilityResult { call_id, result })
+}
+
+fn read_ready(r: &mut Reader<'_>) -> WireResult<Ready> {
+    r.expect_array(READY_FIELDS, "Ready")?;
+    Ok(Ready {
+        max_model_len: r.u32("Ready.max_model_len")?,
+        num_kv_blocks: r.u32("Ready.num_kv_blocks")?,
+        block_size: r.u32("Ready.block_size")?,
+        vocab_size: r.u32("Ready.vocab_size")?,
+        eos_token_ids: r.u32s("Ready.eos_token_ids")?,
+    })
+}
+
+fn read_output_batch(r: &mut Reader<'_>) -> WireResult<OutputBatch> {
+    r.expect_array(OUTPUT_BATCH_FIELDS, "OutputBatch")?;
+    let n = r.array_len("OutputBatch.outputs")?;
+    let mut outputs = Vec::with_capacity(n);
+    for i in 0..n {
+        outputs.push(
+            read_request_output(r).map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?,
+        );
+    }
+    let stats = read_stats(r).map_err(|e| e.within("OutputBatch.stats"))?;
+    let timestamp = r.f64("OutputBatch.timestamp")?;
+    Ok(OutputBatch {
+        outputs,
+        stats,
+        timestamp,
+    })
+}
+
+fn read_request_output(r: &mut Reader<'_>) -> WireResult<RequestOutput> {
+    r.expect_array(REQUEST_OUTPUT_FIELDS, "")?;
+    Ok(RequestOutput {
+        wire_id: r.u64("wire_id")?,
+        new_token_ids: r.u32s("new_token_ids")?,
+        finish_reason: r.opt(read_finish_reason)?,
+        stop_reason: r.opt(|r| r.u32("stop_reason"))?,
+        error: r.opt(|r| r.str("error").map(str::to_string))?,
+        logprobs: read_opt_logprobs(r, &LOGPROBS_PATHS)?,
+        prompt_logprobs: read_opt_logprobs(r, &PROMPT_LOGPROBS_PATHS)?,
+    })
+}
+
+/// Field paths of a `Logprobs` in errors: the whole, then each field.
+type LogprobsPaths = [&'static str; LOGPROBS_FIELDS + 1];
+
+const LOGPROBS_PATHS: LogprobsPaths = [
+    "logprobs",
+    "logprobs.num_positions",
+    "logprobs.width",
+    "logprobs.token_ids",
+    "logprobs.logprobs",
+    "logprobs.ranks",
+];
+const PROMPT_LOGPROBS_PATHS: LogprobsPaths = [
+    "prompt_logprobs",
+    "prompt_logprobs.num_positions",
+    "prompt_logprobs.width",
+    "prompt_logprobs.token_ids",
+    "prompt_logprobs.logprobs",
+    "prompt_logprobs.ranks",
+];
+
+fn read_finish_reason(r: &mut Reader<'_>) -> WireResult<FinishReason> {
+    let code = r.u8("finish_reason")?;
+    FinishReason::from_u8(code).ok_or_else(|| {
+        WireError::malformed("finish_reason", format!("unknown finish reason {code}"))
+    })
+}
+
+fn read_opt_logprobs(r: &mut Reader<'_>, paths: &LogprobsPaths) -> WireResult<Option<Logprobs>> {
+    if r.try_nil() {
+        return Ok(None);
+    }
+    r.expect_array(LOGPROBS_FIELDS, paths[0])?;
+    let lp = Logprobs {
+        num_positions: r.u32(paths[1])?,
+        width: r.u32(paths[2])?,
+        token_ids: r.u32s(paths[3])?,
+        logprobs: r.f32s(paths[4])?,
+        ranks: r.u32s(paths[5])?,
+    };
+    lp.check_shape()
+        .map_err(|reason| WireError::malformed(paths[0], reason))?;
+    Ok(Some(lp))
+}
+
+fn read_stats(r: &mut Reader<'_>) -> WireResult<SchedulerStats> {
+    r.expect_array(STATS_FIELDS, "")?;
+    Ok(SchedulerStats {
+        num_running: r.u32("num_running")?,
+        num_waiting: r.u32("num_waiting")?,
+        kv_cache_usage: r.f32("kv_cache_usage")?,
+        prefix_cache_queries: r.u64("prefix_cache_queries")?,
+        prefix_cache_hits: r.u64("prefix_cache_hits")?,
+        num_preemptions: r.u64("num_preemptions")?,
+    })
+}

@@ -1,0 +1,263 @@
+//! Encoders: one per message, each writing the positional msgpack layout that
+//! `decode.rs` reads. `OutputBatchWriter` streams an output batch request by
+//! request from borrowed slices, so a caller holding columns (the Python glue)
+//! needs no per-request allocation.
+
+use super::error::{WireError, WireResult};
+use super::frame::header;
+use super::messages::{
+    AddRequest, FinishReason, Logprobs, Message, MessageType, OutputBatch, Ready, SchedulerStats,
+};
+use super::value::{write_value, Value};
+use super::writer::Writer;
+
+// Field counts of the positional arrays; `decode.rs` checks the same numbers.
+pub(super) const ADD_REQUEST_FIELDS: usize = 18;
+pub(super) const REQUEST_OUTPUT_FIELDS: usize = 7;
+pub(super) const LOGPROBS_FIELDS: usize = 5;
+pub(super) const STATS_FIELDS: usize = 6;
+pub(super) const OUTPUT_BATCH_FIELDS: usize = 3;
+pub(super) const READY_FIELDS: usize = 5;
+
+fn frame_writer(message_type: MessageType, capacity: usize) -> Writer {
+    let mut w = Writer::with_capacity(capacity);
+    w.raw(&header(message_type));
+    w
+}
+
+/// Encodes any message.
+pub fn encode(message: &Message) -> WireResult<Vec<u8>> {
+    match message {
+        Message::AddRequests(requests) => encode_add_requests(requests),
+        Message::Abort { wire_ids } => encode_abort(wire_ids),
+        Message::UtilityCall {
+            call_id,
+            method,
+            args,
+        } => encode_utility_call(*call_id, method, args),
+        Message::UtilityResult { call_id, result } => {
+            encode_utility_result(*call_id, result.as_ref().map_err(|e| e.as_str()))
+        }
+        Message::Ready(ready) => encode_ready(ready),
+        Message::EngineError { message } => encode_engine_error(message),
+        Message::Shutdown => Ok(encode_shutdown()),
+        Message::OutputBatch(batch) => encode_output_batch(batch),
+    }
+}
+
+/// A burst of new requests (one request is a burst of one).
+pub fn encode_add_requests<'a, I>(requests: I) -> WireResult<Vec<u8>>
+where
+    I: IntoIterator<Item = &'a AddRequest>,
+    I::IntoIter: ExactSizeIterator + Clone,
+{
+    let requests = requests.into_iter();
+    let capacity: usize = requests
+        .clone()
+        .map(|r| 96 + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len()))
+        .sum();
+    let mut w = frame_writer(MessageType::AddRequests, 8 + capacity);
+    w.array_len(requests.len(), "AddRequests")?;
+    for (i, r) in requests.enumerate() {
+        write_add_request(&mut w, r).map_err(|e| e.within(&format!("AddRequests[{i}]")))?;
+    }
+    Ok(w.into_bytes())
+}
+
+fn write_add_request(w: &mut Writer, r: &AddRequest) -> WireResult<()> {
+    w.array_len(ADD_REQUEST_FIELDS, "")?;
+    w.uint(r.wire_id);
+    w.u32s(&r.prompt_token_ids, "prompt_token_ids")?;
+    w.f64(r.arrival_time);
+    w.int(r.priority as i64);
+    w.uint(r.max_tokens as u64);
+    w.uint(r.min_tokens as u64);
+    w.f32(r.temperature);
+    w.f32(r.top_p);
+    w.int(r.top_k as i64);
+    w.f32(r.min_p);
+    w.opt_uint(r.seed);
+    w.u32s(&r.stop_token_ids, "stop_token_ids")?;
+    w.bool(r.ignore_eos);
+    w.opt_uint(r.logprobs.map(u64::from));
+    w.opt_uint(r.prompt_logprobs.map(u64::from));
+    w.f32(r.repetition_penalty);
+    w.f32(r.frequency_penalty);
+    w.f32(r.presence_penalty);
+    Ok(())
+}
+
+pub fn encode_abort(wire_ids: &[u64]) -> WireResult<Vec<u8>> {
+    let mut w = frame_writer(MessageType::Abort, 8 + 9 * wire_ids.len());
+    w.array_len(1, "Abort")?;
+    w.array_len(wire_ids.len(), "Abort.wire_ids")?;
+    for &id in wire_ids {
+        w.uint(id);
+    }
+    Ok(w.into_bytes())
+}
+
+pub fn encode_utility_call(call_id: u64, method: &str, args: &Value) -> WireResult<Vec<u8>> {
+    let mut w = frame_writer(MessageType::UtilityCall, 64 + method.len());
+    w.array_len(3, "UtilityCall")?;
+    w.uint(call_id);
+    w.str(method, "UtilityCall.method")?;
+    write_value(&mut w, args, "UtilityCall.args")?;
+    Ok(w.into_bytes())
+}
+
+/// `result` is the call's value, or the error message when it failed.
+pub fn encode_utility_result(call_id: u64, result: Result<&Value, &str>) -> WireResult<Vec<u8>> {
+    let mut w = frame_writer(MessageType::UtilityResult, 64);
+    w.array_len(3, "UtilityResult")?;
+    w.uint(call_id);
+    w.bool(result.is_ok());
+    match result {
+        Ok(value) => write_value(&mut w, value, "UtilityResult.value")?,
+        Err(message) => w.str(message, "UtilityResult.error")?,
+    }
+    Ok(w.into_bytes())
+}
+
+pub fn encode_ready(ready: &Ready) -> WireResult<Vec<u8>> {
+    let mut w = frame_writer(MessageType::Ready, 32 + 4 * ready.eos_token_ids.len());
+    w.array_len(READY_FIELDS, "Ready")?;
+    w.uint(ready.max_model_len as u64);
+    w.uint(ready.num_kv_blocks as u64);
+    w.uint(ready.block_size as u64);
+    w.uint(ready.vocab_size as u64);
+    w.u32s(&ready.eos_token_ids, "Ready.eos_token_ids")?;
+    Ok(w.into_bytes())
+}
+
+pub fn encode_engine_error(message: &str) -> WireResult<Vec<u8>> {
+    let mut w = frame_writer(MessageType::EngineError, 8 + message.len());
+    w.array_len(1, "EngineError")?;
+    w.str(message, "EngineError.message")?;
+    Ok(w.into_bytes())
+}
+
+pub fn encode_shutdown() -> Vec<u8> {
+    let mut w = frame_writer(MessageType::Shutdown, 3);
+    w.raw(&[0x90]);
+    w.into_bytes()
+}
+
+pub fn encode_output_batch(batch: &OutputBatch) -> WireResult<Vec<u8>> {
+    let num_tokens: usize = batch.outputs.iter().map(|o| o.new_token_ids.len()).sum();
+    let mut w = OutputBatchWriter::new(batch.outputs.len(), num_tokens)?;
+    for o in &batch.outputs {
+        w.push(&RequestOutputRef {
+            wire_id: o.wire_id,
+            new_token_ids: &o.new_token_ids,
+            finish_reason: o.finish_reason,
+            stop_reason: o.stop_reason,
+            error: o.error.as_deref(),
+            logprobs: o.logprobs.as_ref(),
+            prompt_logprobs: o.prompt_logprobs.as_ref(),
+        })?;
+    }
+    w.finish(&batch.stats, batch.timestamp)
+}
+
+/// One request's output, borrowed: what `OutputBatchWriter::push` takes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestOutputRef<'a> {
+    pub wire_id: u64,
+    pub new_token_ids: &'a [u32],
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<u32>,
+    pub error: Option<&'a str>,
+    pub logprobs: Option<&'a Logprobs>,
+    pub prompt_logprobs: Option<&'a Logprobs>,
+}
+
+/// Writes an output batch of a known number of outputs, one `push` per output,
+/// then `finish` with the stats.
+pub struct OutputBatchWriter {
+    w: Writer,
+    declared: usize,
+    pushed: usize,
+}
+
+impl OutputBatchWriter {
+    /// `num_tokens` (all outputs' new tokens together) sizes the buffer.
+    pub fn new(num_outputs: usize, num_tokens: usize) -> WireResult<OutputBatchWriter> {
+        let capacity = 64 + 24 * num_outputs + 4 * num_tokens;
+        let mut w = frame_writer(MessageType::OutputBatch, capacity);
+        w.array_len(OUTPUT_BATCH_FIELDS, "OutputBatch")?;
+        w.array_len(num_outputs, "OutputBatch.outputs")?;
+        Ok(OutputBatchWriter {
+            w,
+            declared: num_outputs,
+            pushed: 0,
+        })
+    }
+
+    #[inline]
+    pub fn push(&mut self, o: &RequestOutputRef<'_>) -> WireResult<()> {
+        if self.pushed == self.declared {
+            return Err(self.count_mismatch(self.pushed + 1));
+        }
+        let i = self.pushed;
+        self.pushed += 1;
+        let w = &mut self.w;
+        w.array_len(REQUEST_OUTPUT_FIELDS, "")?;
+        w.uint(o.wire_id);
+        w.u32s(o.new_token_ids, "new_token_ids")
+            .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?;
+        w.opt_uint(o.finish_reason.map(|r| r as u64));
+        w.opt_uint(o.stop_reason.map(u64::from));
+        match o.error {
+            Some(e) => w
+                .str(e, "error")
+                .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?,
+            None => w.nil(),
+        }
+        write_opt_logprobs(w, o.logprobs, "logprobs")
+            .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?;
+        write_opt_logprobs(w, o.prompt_logprobs, "prompt_logprobs")
+            .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?;
+        Ok(())
+    }
+
+    pub fn finish(mut self, stats: &SchedulerStats, timestamp: f64) -> WireResult<Vec<u8>> {
+        if self.pushed != self.declared {
+            return Err(self.count_mismatch(self.pushed));
+        }
+        let w = &mut self.w;
+        w.array_len(STATS_FIELDS, "OutputBatch.stats")?;
+        w.uint(stats.num_running as u64);
+        w.uint(stats.num_waiting as u64);
+        w.f32(stats.kv_cache_usage);
+        w.uint(stats.prefix_cache_queries);
+        w.uint(stats.prefix_cache_hits);
+        w.uint(stats.num_preemptions);
+        w.f64(timestamp);
+        Ok(self.w.into_bytes())
+    }
+
+    #[cold]
+    fn count_mismatch(&self, got: usize) -> WireError {
+        WireError::encode(
+            "OutputBatch.outputs",
+            format!("declared {} outputs, got {got}", self.declared),
+        )
+    }
+}
+
+fn write_opt_logprobs(w: &mut Writer, lp: Option<&Logprobs>, path: &str) -> WireResult<()> {
+    let Some(lp) = lp else {
+        w.nil();
+        return Ok(());
+    };
+    lp.check_shape()
+        .map_err(|reason| WireError::encode(path, reason))?;
+    w.array_len(LOGPROBS_FIELDS, path)?;
+    w.uint(lp.num_positions as u64);
+    w.uint(lp.width as u64);
+    w.u32s(&lp.token_ids, path)?;
+    w.f32s(&lp.logprobs, path)?;
+    w.u32s(&lp.ranks, path)?;
+    Ok(())
+}

@@ -1,0 +1,267 @@
+//! The messages exchanged between the front end and EngineCore, as owned Rust
+//! values. Their wire layout (positional msgpack arrays) is in `encode.rs` and
+//! `decode.rs`; the one-byte type tags are `MessageType`.
+
+use super::value::Value;
+
+/// The one-byte tag that starts every frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MessageType {
+    // front end -> EngineCore
+    AddRequests = 0x01,
+    Abort = 0x02,
+    UtilityCall = 0x03,
+    Shutdown = 0x04,
+    // EngineCore -> front end
+    OutputBatch = 0x10,
+    UtilityResult = 0x11,
+    Ready = 0x12,
+    EngineError = 0x13,
+}
+
+impl MessageType {
+    pub const ALL: [MessageType; 8] = [
+        MessageType::AddRequests,
+        MessageType::Abort,
+        MessageType::UtilityCall,
+        MessageType::Shutdown,
+        MessageType::OutputBatch,
+        MessageType::UtilityResult,
+        MessageType::Ready,
+        MessageType::EngineError,
+    ];
+
+    pub fn from_u8(tag: u8) -> Option<MessageType> {
+        MessageType::ALL.into_iter().find(|t| *t as u8 == tag)
+    }
+
+    /// The name used in error messages and the Python constants (`MSG_<NAME>`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MessageType::AddRequests => "AddRequests",
+            MessageType::Abort => "Abort",
+            MessageType::UtilityCall => "UtilityCall",
+            MessageType::Shutdown => "Shutdown",
+            MessageType::OutputBatch => "OutputBatch",
+            MessageType::UtilityResult => "UtilityResult",
+            MessageType::Ready => "Ready",
+            MessageType::EngineError => "EngineError",
+        }
+    }
+}
+
+/// A new request for EngineCore: the prompt and every sampling field the core
+/// needs. Values are carried as given (`top_k` 0 or -1 both mean "disabled";
+/// the codec does not normalise them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AddRequest {
+    pub wire_id: u64,
+    pub prompt_token_ids: Vec<u32>,
+    pub arrival_time: f64,
+    pub priority: i32,
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub min_p: f32,
+    pub seed: Option<u64>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub logprobs: Option<u32>,
+    pub prompt_logprobs: Option<u32>,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+}
+
+impl AddRequest {
+    /// A request with the given prompt and neutral sampling fields (the
+    /// defaults of `SamplingParams`: 16 tokens, temperature 1, no filters).
+    pub fn new(wire_id: u64, prompt_token_ids: Vec<u32>) -> AddRequest {
+        AddRequest {
+            wire_id,
+            prompt_token_ids,
+            arrival_time: 0.0,
+            priority: 0,
+            max_tokens: 16,
+            min_tokens: 0,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+/// Why a request finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FinishReason {
+    /// A stop token, EOS, or (after the front end's abort) a stop string.
+    Stop = 0,
+    /// `max_tokens` or `max_model_len` reached.
+    Length = 1,
+    /// Aborted by the client.
+    Abort = 2,
+    /// The request failed on its own; `RequestOutput::error` says why.
+    Error = 3,
+}
+
+impl FinishReason {
+    pub const ALL: [FinishReason; 4] = [
+        FinishReason::Stop,
+        FinishReason::Length,
+        FinishReason::Abort,
+        FinishReason::Error,
+    ];
+
+    pub fn from_u8(code: u8) -> Option<FinishReason> {
+        FinishReason::ALL.get(code as usize).copied()
+    }
+
+    /// The lower-case name used by the Python API (`"stop"`, `"length"`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<FinishReason> {
+        FinishReason::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+}
+
+/// Log-probabilities of `num_positions` positions, each with `width` entries:
+/// the sampled (or, for prompts, the actual) token first, then the top-N.
+/// `token_ids` and `logprobs` are row-major `num_positions x width`; `ranks`
+/// holds the rank of the sampled/actual token at each position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    pub num_positions: u32,
+    pub width: u32,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub ranks: Vec<u32>,
+}
+
+impl Logprobs {
+    /// Checks that the arrays have the lengths the shape says.
+    pub fn check_shape(&self) -> Result<(), String> {
+        let cells = self.num_positions as u64 * self.width as u64;
+        if self.token_ids.len() as u64 != cells || self.logprobs.len() as u64 != cells {
+            return Err(format!(
+                "{} positions x width {} needs {cells} token ids and logprobs, got {} and {}",
+                self.num_positions,
+                self.width,
+                self.token_ids.len(),
+                self.logprobs.len()
+            ));
+        }
+        if self.ranks.len() as u64 != self.num_positions as u64 {
+            return Err(format!(
+                "{} positions need {} ranks, got {}",
+                self.num_positions,
+                self.num_positions,
+                self.ranks.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What one request produced in one engine step.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RequestOutput {
+    pub wire_id: u64,
+    pub new_token_ids: Vec<u32>,
+    pub finish_reason: Option<FinishReason>,
+    /// The stop token id that finished the request, if one did.
+    pub stop_reason: Option<u32>,
+    /// Why this request failed on its own (with `FinishReason::Error`).
+    pub error: Option<String>,
+    pub logprobs: Option<Logprobs>,
+    pub prompt_logprobs: Option<Logprobs>,
+}
+
+/// The scheduler's counters after a step.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SchedulerStats {
+    pub num_running: u32,
+    pub num_waiting: u32,
+    pub kv_cache_usage: f32,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub num_preemptions: u64,
+}
+
+/// Everything one engine step produced: one frame per step.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OutputBatch {
+    pub outputs: Vec<RequestOutput>,
+    pub stats: SchedulerStats,
+    pub timestamp: f64,
+}
+
+/// The handshake EngineCore sends once it is ready to serve.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Ready {
+    pub max_model_len: u32,
+    pub num_kv_blocks: u32,
+    pub block_size: u32,
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    AddRequests(Vec<AddRequest>),
+    Abort {
+        wire_ids: Vec<u64>,
+    },
+    UtilityCall {
+        call_id: u64,
+        method: String,
+        args: Value,
+    },
+    /// `result` is `Ok(value)` or `Err(error message)`.
+    UtilityResult {
+        call_id: u64,
+        result: Result<Value, String>,
+    },
+    Ready(Ready),
+    /// A fatal error: EngineCore is going away.
+    EngineError {
+        message: String,
+    },
+    Shutdown,
+    OutputBatch(OutputBatch),
+}
+
+impl Message {
+    pub fn message_type(&self) -> MessageType {
+        match self {
+            Message::AddRequests(_) => MessageType::AddRequests,
+            Message::Abort { .. } => MessageType::Abort,
+            Message::UtilityCall { .. } => MessageType::UtilityCall,
+            Message::UtilityResult { .. } => MessageType::UtilityResult,
+            Message::Ready(_) => MessageType::Ready,
+            Message::EngineError { .. } => MessageType::EngineError,
+            Message::Shutdown => MessageType::Shutdown,
+            Message::OutputBatch(_) => MessageType::OutputBatch,
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The output batch on both sides: `encode_output_batch` takes per-request
+//! columns, `OutputBatch` is the decoded view. This is the per-step hot path of
+//! the wire, so both keep the GIL-held part to extracting or wrapping: the byte
+//! work runs detached, and token ids become Python ints only when asked for.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use super::classes::{finish_reason_str, opt_logprobs, wire_err, PyLogprobs, PySchedulerStats};
+use super::extract;
+use crate::protocol::{self, FinishReason, OutputBatchWriter, RequestOutputRef, WireError};
+
+/// The columns of an output batch, owned, so they can cross `py.detach`.
+#[derive(Default)]
+struct Columns {
+    wire_ids: Vec<u64>,
+    /// `token_offsets[i]..token_offsets[i + 1]` are request i's ids in `token_ids`.
+    token_offsets: Vec<usize>,
+    token_ids: Vec<u32>,
+    finish_reasons: Option<Vec<Option<FinishReason>>>,
+    stop_reasons: Option<Vec<Option<u32>>>,
+    errors: Option<Vec<Option<String>>>,
+    logprobs: Option<Vec<Option<Arc<protocol::Logprobs>>>>,
+    prompt_logprobs: Option<Vec<Option<Arc<protocol::Logprobs>>>>,
+}
+
+/// Extracts an optional column of `n` items with `read(index, item)`.
+fn column<'py, T>(
+    obj: Option<&Bound<'py, PyAny>>,
+    n: usize,
+    name: &'static str,
+    mut read: impl FnMut(usize, &Bound<'py, PyAny>) -> Result<T, WireError>,
+) -> Result<Option<Vec<T>>, WireError> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let path = || format!("OutputBatch.{name}");
+    let len = extract::len(obj, &path)?;
+    if len != n {
+        return Err(WireError::encode(
+            path(),
+            format!("has {len} entries, expected {n} (one per wire id)"),
+        ));
+    }
+    let mut out = Vec::with_capacity(n);
+    extract::for_each(obj, &path, |i, item| {
+        out.push(read(i, item)?);
+        Ok(())
+    })?;
+    Ok(Some(out))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn extract_columns(
+    wire_ids: &Bound<'_, PyAny>,
+    new_token_ids: &Bound<'_, PyAny>,
+    finish_reasons: Option<&Bound<'_, PyAny>>,
+    stop_reasons: Option<&Bound<'_, PyAny>>,
+    errors: Option<&Bound<'_, PyAny>>,
+    logprobs: Option<&Bound<'_, PyAny>>,
+    prompt_logprobs: Option<&Bound<'_, PyAny>>,
+) -> Result<Columns, WireError> {
+    let mut c = Columns {
+        wire_ids: extract::u64s(wire_ids, &|| "OutputBatch.wire_ids".into())?,
+        ..Columns::default()
+    };
+    let n = c.wire_ids.len();
+    let tokens_path = || "OutputBatch.new_token_ids".to_string();
+    let len = extract::len(new_token_ids, &tokens_path)?;
+    if len != n {
+        return Err(WireError::encode(
+            tokens_path(),
+            format!("has {len} entries, expected {n} (one per wire id)"),
+        ));
+    }
+    c.token_offsets.reserve(n + 1);
+    c.token_offsets.push(0);
+    c.token_ids.reserve(n);
+    extract::for_each(new_token_ids, &tokens_path, |i, ids| {
+        extract::u32s_into(ids, &mut c.token_ids, &|| format!("{}[{i}]", tokens_path()))?;
+        c.token_offsets.push(c.token_ids.len());
+        Ok(())
+    })?;
+    c.finish_reasons = column(finish_reasons, n, "finish_reasons", |i, item| {
+        extract::opt(item, |r| {
+            extract::finish_reason(r, || format!("OutputBatch.finish_reasons[{i}]"))
+        })
+    })?;
+    c.stop_reasons = column(stop_reasons, n, "stop_reasons", |i, item| {
+        extract::opt(item, |r| {
+            extract::u32_(r, || format!("OutputBatch.stop_reasons[{i}]"))
+        })
+    })?;
+    c.errors = column(errors, n, "errors", |i, item| {
+        extract::opt(item, |e| {
+            extract::str_(e, || format!("OutputBatch.errors[{i}]"))
+        })
+    })?;
+    c.logprobs = column(logprobs, n, "logprobs", |i, item| {
+        opt_logprobs(item, &|| format!("OutputBatch.logprobs[{i}]"))
+    })?;
+    c.prompt_logprobs = column(prompt_logprobs, n, "prompt_logprobs", |i, item| {
+        opt_logprobs(item, &|| format!("OutputBatch.prompt_logprobs[{i}]"))
+    })?;
+    Ok(c)
+}
+
+fn encode_columns(
+    c: &Columns,
+    stats: &protocol::SchedulerStats,
+    timestamp: f64,
+) -> Result<Vec<u8>, WireError> {
+    let mut w = OutputBatchWriter::new(c.wire_ids.len(), c.token_ids.len())?;
+    for (i, &wire_id) in c.wire_ids.iter().enumerate() {
+        w.push(&RequestOutputRef {
+            wire_id,
+            new_token_ids: &c.token_ids[c.token_offsets[i]..c.token_offsets[i + 1]],
+            finish_reason: c.finish_reasons.as_ref().and_then(|v| v[i]),
+            stop_reason: c.stop_reasons.as_ref().and_then(|v| v[i]),
+            error: c.errors.as_ref().and_then(|v| v[i].as_deref()),
+            logprobs: c.logprobs.as_ref().and_then(|v| v[i].as_deref()),
+            prompt_logprobs: c.prompt_logprobs.as_ref().and_then(|v| v[i].as_deref()),
+        })?;
+    }
+    w.finish(stats, timestamp)
+}
+
+/// Encodes one engine step's outputs from per-request columns (see the stub).
+#[pyfunction]
+#[pyo3(signature = (
+    wire_ids, new_token_ids, stats, timestamp, *, finish_reasons=None, stop_reasons=None,
+    errors=None, logprobs=None, prompt_logprobs=None
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn encode_output_batch<'py>(
+    py: Python<'py>,
+    wire_ids: &Bound<'py, PyAny>,
+    new_token_ids: &Bound<'py, PyAny>,
+    stats: &Bound<'py, PySchedulerStats>,
+    timestamp: f64,
+    finish_reasons: Option<&Bound<'py, PyAny>>,
+    stop_reasons: Option<&Bound<'py, PyAny>>,
+    errors: Option<&Bound<'py, PyAny>>,
+    logprobs: Option<&Bound<'py, PyAny>>,
+    prompt_logprobs: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let columns = extract_columns(
+        wire_ids,
+        new_token_ids,
+        finish_reasons,
+        stop_reasons,
+        errors,
+        logprobs,
+        prompt_logprobs,
+    )
+    .map_err(wire_err)?;
+    let stats = stats.get().to_rust();
+    let frame = py
+        .detach(|| encode_columns(&columns, &stats, timestamp))
+        .map_err(wire_err)?;
+    Ok(PyBytes::new(py, &frame))
+}
+
+/// A decoded output batch. Columns are built on access; nothing per token
+/// exists in Python until `new_token_ids(i)` or `all_new_token_ids()` is called.
+#[pyclass(frozen, module = "asyncllm._core", name = "OutputBatch")]
+pub struct PyOutputBatch(pub protocol::OutputBatch);
+
+impl PyOutputBatch {
+    fn output(&self, i: isize) -> PyResult<&protocol::RequestOutput> {
+        let n = self.0.outputs.len() as isize;
+        let j = if i < 0 { i + n } else { i };
+        if j < 0 || j >= n {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "output index {i} out of range for a batch of {n}"
+            )));
+        }
+        Ok(&self.0.outputs[j as usize])
+    }
+}
+
+#[pymethods]
+impl PyOutputBatch {
+    fn __len__(&self) -> usize {
+        self.0.outputs.len()
+    }
+
+    #[getter]
+    fn wire_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.0.outputs.iter().map(|o| o.wire_id))
+    }
+
+    /// The new token ids of output `i`.
+    fn new_token_ids<'py>(&self, py: Python<'py>, i: isize) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.output(i)?.new_token_ids)
+    }
+
+    /// The new token ids of every output, one list each.
+    fn all_new_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let lists = self
+            .0
+            .outputs
+            .iter()
+            .map(|o| PyList::new(py, &o.new_token_ids))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, lists)
+    }
+
+    #[getter]
+    fn num_new_tokens(&self) -> Vec<usize> {
+        self.0
+            .outputs
+            .iter()
+            .map(|o| o.new_token_ids.len())
+            .collect()
+    }
+
+    #[getter]
+    fn finish_reasons<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.0
+                .outputs
+                .iter()
+                .map(|o| o.finish_reason.map(|r| finish_reason_str(py, r).clone())),
+        )
+    }
+
+    #[getter]
+    fn stop_reasons(&self) -> Vec<Option<u32>> {
+        self.0.outputs.iter().map(|o| o.stop_reason).collect()
+    }
+
+    #[getter]
+    fn errors(&self) -> Vec<Option<String>> {
+        self.0.outputs.iter().map(|o| o.error.clone()).collect()
+    }
+
+    /// Indices of the outputs whose request finished in this step.
+    #[getter]
+    fn finished_indices(&self) -> Vec<usize> {
+        let outputs = self.0.outputs.iter().enumerate();
+        outputs
+            .filter(|(_, o)| o.finish_reason.is_some())
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    fn logprobs(&self, i: isize) -> PyResult<Option<PyLogprobs>> {
+        let lp = self.output(i)?.logprobs.as_ref();
+        Ok(lp.map(|lp| PyLogprobs(Arc::new(lp.clone()))))
+    }
+
+    fn prompt_logprobs(&self, i: isize) -> PyResult<Option<PyLogprobs>> {
+        let lp = self.output(i)?.prompt_logprobs.as_ref();
+        Ok(lp.map(|lp| PyLogprobs(Arc::new(lp.clone()))))
+    }
+
+    #[getter]
+    fn stats(&self) -> PySchedulerStats {
+        PySchedulerStats::from_rust(&self.0.stats)
+    }
+
+    #[getter]
+    fn timestamp(&self) -> f64 {
+        self.0.timestamp
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "OutputBatch(len={}, timestamp={})",
+            self.0.outputs.len(),
+            self.0.timestamp
+        )
+    }
+}

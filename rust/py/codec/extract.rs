@@ -1,0 +1,236 @@
+//! Python objects -> owned Rust values, with the GIL held. Fast paths for lists
+//! and tuples of ints/floats and for buffers (numpy arrays, `array.array`);
+//! anything else iterable works too, more slowly. Failures are `WireError`s that
+//! name the argument and the element.
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple};
+
+use crate::protocol::{FinishReason, WireError};
+
+/// A short description of `obj` for error messages: its type and a clipped repr.
+#[cold]
+pub fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let type_name = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let mut repr = obj.repr().map(|r| r.to_string()).unwrap_or_default();
+    if repr.chars().count() > 40 {
+        repr = repr.chars().take(37).collect::<String>() + "...";
+    }
+    format!("{type_name} {repr}")
+}
+
+#[cold]
+pub fn bad(path: impl FnOnce() -> String, expected: &str, obj: &Bound<'_, PyAny>) -> WireError {
+    WireError::encode(
+        path(),
+        format!("expected {expected}, got {}", describe(obj)),
+    )
+}
+
+#[inline]
+pub fn int<T>(
+    obj: &Bound<'_, PyAny>,
+    path: impl FnOnce() -> String,
+    range: &str,
+) -> Result<T, WireError>
+where
+    T: for<'a, 'py> FromPyObject<'a, 'py>,
+{
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(bad(path, &format!("an int in {range}"), obj));
+    }
+    obj.extract::<T>()
+        .map_err(|_| bad(path, &format!("an int in {range}"), obj))
+}
+
+#[inline]
+pub fn u64_(obj: &Bound<'_, PyAny>, path: impl FnOnce() -> String) -> Result<u64, WireError> {
+    int(obj, path, "0..2^64")
+}
+
+#[inline]
+pub fn u32_(obj: &Bound<'_, PyAny>, path: impl FnOnce() -> String) -> Result<u32, WireError> {
+    int(obj, path, "0..2^32")
+}
+
+pub fn f64_(obj: &Bound<'_, PyAny>, path: impl FnOnce() -> String) -> Result<f64, WireError> {
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(f.value());
+    }
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<f64>() {
+            return Ok(v);
+        }
+    }
+    Err(bad(path, "a float", obj))
+}
+
+pub fn str_(obj: &Bound<'_, PyAny>, path: impl FnOnce() -> String) -> Result<String, WireError> {
+    match obj.cast::<PyString>() {
+        Ok(s) => s
+            .to_str()
+            .map(str::to_string)
+            .map_err(|_| bad(path, "a str encodable as UTF-8", obj)),
+        Err(_) => Err(bad(path, "a str", obj)),
+    }
+}
+
+/// `None` or `T`.
+pub fn opt<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    read: impl FnOnce(&Bound<'py, PyAny>) -> Result<T, WireError>,
+) -> Result<Option<T>, WireError> {
+    if obj.is_none() {
+        Ok(None)
+    } else {
+        read(obj).map(Some)
+    }
+}
+
+pub fn finish_reason(
+    obj: &Bound<'_, PyAny>,
+    path: impl Fn() -> String,
+) -> Result<FinishReason, WireError> {
+    let expected = "'stop', 'length', 'abort' or 'error'";
+    let s = obj
+        .cast::<PyString>()
+        .map_err(|_| bad(&path, expected, obj))?;
+    s.to_str()
+        .ok()
+        .and_then(FinishReason::from_name)
+        .ok_or_else(|| bad(&path, expected, obj))
+}
+
+/// Runs `each` on every item of a list, a tuple or another iterable, with
+/// the item's index.
+pub fn for_each<'py>(
+    obj: &Bound<'py, PyAny>,
+    path: &dyn Fn() -> String,
+    mut each: impl FnMut(usize, &Bound<'py, PyAny>) -> Result<(), WireError>,
+) -> Result<(), WireError> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        for (i, item) in list.iter().enumerate() {
+            each(i, &item)?;
+        }
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        for (i, item) in tuple.iter().enumerate() {
+            each(i, &item)?;
+        }
+    } else if obj.is_instance_of::<PyString>() {
+        return Err(bad(path, "a sequence", obj));
+    } else {
+        let iter = obj.try_iter().map_err(|_| bad(path, "a sequence", obj))?;
+        for (i, item) in iter.enumerate() {
+            let item = item.map_err(|e| WireError::encode(path(), e.to_string()))?;
+            each(i, &item)?;
+        }
+    }
+    Ok(())
+}
+
+/// The number of items of a sized sequence.
+pub fn len(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<usize, WireError> {
+    obj.len().map_err(|_| bad(path, "a sized sequence", obj))
+}
+
+/// Appends a sequence of u32 (a list, tuple, buffer of 4- or 8-byte ints, or
+/// any iterable of ints) to `out`.
+pub fn u32s_into(
+    obj: &Bound<'_, PyAny>,
+    out: &mut Vec<u32>,
+    path: &dyn Fn() -> String,
+) -> Result<(), WireError> {
+    if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() {
+        if let Some(values) = int_buffer(obj, path)? {
+            out.extend(values);
+            return Ok(());
+        }
+    }
+    if let Ok(n) = obj.len() {
+        out.reserve(n);
+    }
+    for_each(obj, path, |i, item| {
+        out.push(u32_(item, || format!("{}[{i}]", path()))?);
+        Ok(())
+    })
+}
+
+pub fn u32s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u32>, WireError> {
+    let mut out = Vec::new();
+    u32s_into(obj, &mut out, path)?;
+    Ok(out)
+}
+
+pub fn u64s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u64>, WireError> {
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for_each(obj, path, |i, item| {
+        out.push(u64_(item, || format!("{}[{i}]", path()))?);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+pub fn f32s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<f32>, WireError> {
+    if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() {
+        if let Ok(buf) = PyBuffer::<f32>::get(obj) {
+            return buf
+                .to_vec(obj.py())
+                .map_err(|e| WireError::encode(path(), e.to_string()));
+        }
+        if let Ok(buf) = PyBuffer::<f64>::get(obj) {
+            let values = buf
+                .to_vec(obj.py())
+                .map_err(|e| WireError::encode(path(), e.to_string()))?;
+            return Ok(values.into_iter().map(|v| v as f32).collect());
+        }
+    }
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for_each(obj, path, |i, item| {
+        out.push(f64_(item, || format!("{}[{i}]", path()))? as f32);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// The items of a buffer of 4- or 8-byte integers as u32, range-checked; `None`
+/// when `obj` is not such a buffer.
+fn int_buffer(
+    obj: &Bound<'_, PyAny>,
+    path: &dyn Fn() -> String,
+) -> Result<Option<Vec<u32>>, WireError> {
+    let py = obj.py();
+    let copy_err = |e: PyErr| WireError::encode(path(), e.to_string());
+    if let Ok(buf) = PyBuffer::<u32>::get(obj) {
+        return buf.to_vec(py).map(Some).map_err(copy_err);
+    }
+    fn narrow<T: Copy + TryInto<u32> + std::fmt::Display>(
+        values: Vec<T>,
+        path: &dyn Fn() -> String,
+    ) -> Result<Option<Vec<u32>>, WireError> {
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.try_into().map_err(|_| {
+                    WireError::encode(format!("{}[{i}]", path()), format!("{v} is not in 0..2^32"))
+                })
+            })
+            .collect::<Result<Vec<u32>, WireError>>()
+            .map(Some)
+    }
+    if let Ok(buf) = PyBuffer::<i32>::get(obj) {
+        return narrow(buf.to_vec(py).map_err(copy_err)?, path);
+    }
+    if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+        return narrow(buf.to_vec(py).map_err(copy_err)?, path);
+    }
+    if let Ok(buf) = PyBuffer::<u64>::get(obj) {
+        return narrow(buf.to_vec(py).map_err(copy_err)?, path);
+    }
+    Ok(None)
+}
