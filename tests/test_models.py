@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from asyncllm.errors import ModelLoadError
-from asyncllm.models import build_attention_metadata, load_hf_config, load_model
+from asyncllm.models import build_attention_metadata, load_hf_config, load_model, native
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
@@ -104,7 +104,14 @@ def _compare_with_transformers(model_dir: Path) -> None:
     assert done == lengths
 
 
-def test_llama_untied_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "torch-path"])
+def test_llama_untied_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: bool
+) -> None:
+    if kernel:
+        assert native.can_use_kernel(torch.zeros(1), torch.zeros(2, 1, 1, 1, 1)), "no C kernel"
+    else:  # the path CUDA and non-float32 dtypes take
+        monkeypatch.setattr(native, "can_use_kernel", lambda q, kv_cache: False)
     _compare_with_transformers(make_tiny_model(tmp_path / "m", "llama", "llama-2"))
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncllm.models import native
+
 
 @dataclass
 class PrefillSpan:
@@ -47,6 +49,7 @@ class AttentionMetadata:
     # decode reads (padded with block 0, hidden by the mask); None without decodes.
     decode_block_tables: torch.Tensor | None
     decode_max_len: int  # keys gathered per decode: the longest decode's seq_len
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64 (the CPU kernel's bound)
     # [num_decodes, 1, 1, decode_max_len] bool (True = attend); None when every decode
     # has the same length and nothing needs hiding.
     decode_mask: torch.Tensor | None
@@ -89,11 +92,13 @@ def build_attention_metadata(
     decode_block_tables = None
     decode_mask = None
     decode_max_len = 0
+    decode_seq_lens = None
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
         decode_max_len = int(dec_lens.max())
         num_blocks = -(-decode_max_len // block_size)
         decode_block_tables = _to_device(block_tables[:num_decodes, :num_blocks], device)
+        decode_seq_lens = _to_device(dec_lens, device)
         if int(dec_lens.min()) != decode_max_len:
             keep = np.arange(decode_max_len)[None, :] < dec_lens[:, None]
             decode_mask = _to_device(keep[:, None, None, :], device)
@@ -115,6 +120,7 @@ def build_attention_metadata(
         num_tokens=int(starts[-1]),
         decode_block_tables=decode_block_tables,
         decode_max_len=decode_max_len,
+        decode_seq_lens=decode_seq_lens,
         decode_mask=decode_mask,
         prefills=prefills,
     )
@@ -180,7 +186,11 @@ def _decode_attention(
     needs neither repeated K/V nor `enable_gqa`; returns [B, Hq * D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
-    assert meta.decode_block_tables is not None
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    if native.can_use_kernel(q, kv_cache):
+        return native.paged_decode(
+            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
     tables = meta.decode_block_tables
     # One gather for K and V together, into a reused workspace: a fresh multi-MiB
     # tensor per layer costs more in page faults than the copy itself.
