@@ -1,0 +1,102 @@
+"""Decode attention at batch 256: asyncllm's paged op vs SDPA on a contiguous cache.
+
+Usage: python benches/bench_paged_attention.py [--threads N] [--repeats R]
+Runs are interleaved (ours, torch path, contiguous, ours, ...) so that the noise of a
+shared machine hits all three alike; medians in ms per layer call, ratios to contiguous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from asyncllm.models import attention, native
+
+CONFIGS = {"micro": (4, 2, 32), "small": (8, 8, 64)}  # (heads, kv heads, head_dim)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"threads={args.threads}  batch=256  block_size=16  (ms per layer, median)")
+    print(
+        f"{'model':6} {'ctx':>4} {'paged(C)':>9} {'paged(torch)':>12} {'contig':>7} "
+        f"{'C/contig':>8} {'torch/contig':>12}"
+    )
+    for name, (heads, kv_heads, head_dim) in CONFIGS.items():
+        for ctx in (100, 300):
+            row = bench(heads, kv_heads, head_dim, ctx, args.repeats)
+            print(
+                f"{name:6} {ctx:>4} {row[0]:9.2f} {row[1]:12.2f} {row[2]:7.2f} "
+                f"{row[0] / row[2]:8.2f} {row[1] / row[2]:12.2f}"
+            )
+
+
+def bench(heads: int, kv_heads: int, head_dim: int, ctx: int, repeats: int) -> list[float]:
+    batch, block_size = 256, 16
+    rng = np.random.default_rng(0)
+    ctxs = rng.integers(int(ctx * 0.9), int(ctx * 1.1) + 1, batch)  # the step's contexts
+    blocks_per_seq = -(-(ctxs + 1) // block_size)
+    num_blocks = int(blocks_per_seq.sum()) + 16
+    perm, tables, start = rng.permutation(num_blocks), np.zeros((batch, 64), np.int32), 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[start : start + n]
+        start += n
+    slots = tables[np.arange(batch), ctxs // block_size] * block_size + ctxs % block_size
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    meta = attention.build_attention_metadata(
+        np.ones(batch, np.int32),
+        ctxs.astype(np.int32),
+        tables,
+        slots.astype(np.int64),
+        block_size,
+        torch.device("cpu"),
+    )
+    q = torch.randn(batch, heads, head_dim)
+    k, v = torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    # The floor: a contiguous [B, Hkv, Lmax, D] cache at the mean length, appended in place.
+    length = int(ctxs.mean()) + 1
+    k_cont = torch.randn(batch, kv_heads, length + 32, head_dim)
+    v_cont = torch.randn(batch, kv_heads, length + 32, head_dim)
+    q_grouped = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+
+    def contiguous() -> None:
+        k_cont[:, :, length - 1] = k
+        v_cont[:, :, length - 1] = v
+        F.scaled_dot_product_attention(
+            q_grouped, k_cont[:, :, :length], v_cont[:, :, :length], scale=scale
+        )
+
+    def paged_c() -> None:
+        attention.paged_attention(q, k, v, cache, meta, scale)
+
+    def paged_torch() -> None:
+        saved = native.can_use_kernel
+        native.can_use_kernel = lambda q, kv_cache: False  # type: ignore[assignment]
+        try:
+            attention.paged_attention(q, k, v, cache, meta, scale)
+        finally:
+            native.can_use_kernel = saved  # type: ignore[assignment]
+
+    fns = [paged_c, paged_torch, contiguous]
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) * 1e3 for t in times]
+
+
+if __name__ == "__main__":
+    main()
