@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from asyncllm.engine.messages import Logprobs
+
 if TYPE_CHECKING:
     from asyncllm.worker.input_batch import InputBatch
-    from asyncllm.engine.messages import Logprobs
 
 
 class PromptLogprobsCollector:
