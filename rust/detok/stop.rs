@@ -72,7 +72,7 @@ impl StopMatcher {
         for (index, stop) in self.stops.iter().enumerate() {
             // The first occurrence that ends after `min_end` starts at or after
             // `from`; occurrences may overlap, so search from there.
-            let mut from = (min_end + 1).saturating_sub(stop.len());
+            let mut from = min_end.saturating_add(1).saturating_sub(stop.len());
             while from < window.len() && !window.is_char_boundary(from) {
                 from += 1;
             }

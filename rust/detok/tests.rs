@@ -379,6 +379,13 @@ fn stop_strings_respect_min_tokens() {
         (texts.concat().as_str(), item.stop_index),
         ("The cat sat on", Some(1))
     );
+    // Before the min_tokens-th token nothing matches, not even at the start.
+    let p = stop_params(&["The"], false, 3);
+    let (texts, item) = stream(&mut det, &[], &ids, p, None);
+    assert_eq!(
+        (texts.concat().as_str(), item.stop_index),
+        ("The cat sat on the mat", None)
+    );
     let p = stop_params(&["cat sat"], false, 3);
     let (texts, _) = stream(&mut det, &[], &ids, p, None);
     assert_eq!(texts.concat(), "The ");

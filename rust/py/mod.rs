@@ -2,6 +2,7 @@
 //! wrap the results.
 
 mod codec;
+mod detok;
 mod errors;
 
 use pyo3::prelude::*;
@@ -24,5 +25,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire_version, m)?)?;
     errors::register(m)?;
     codec::register(m)?;
+    detok::register(m)?;
     Ok(())
 }
