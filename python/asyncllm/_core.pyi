@@ -14,6 +14,284 @@ class DetokenizerError(ValueError):
     """The detokenizer was given something it cannot work with."""
 
 # --- codec (rust/py/codec.rs) ---
+# Frames are `[message type: u8][wire version: u8][msgpack body]`; the layouts are
+# documented in rust/protocol/mod.rs. Every encoder and `decode_message` release
+# the GIL for the byte work; only extracting arguments and wrapping results hold it.
+# Every problem with a frame or with an encoder's arguments raises `WireError`,
+# whose message names the field (e.g. "AddRequests[3].prompt_token_ids").
+
+# Imports here, not at the top, so that this section stays self-contained.
+from collections.abc import Iterable, Sequence  # noqa: E402
+from typing import Any, Final, Literal, Self, final  # noqa: E402
+
+# Integer sequences: a list or tuple of ints (fastest), a buffer of 4- or 8-byte
+# ints (numpy array, array.array), or any iterable of ints.
+_Ints = Sequence[int] | Iterable[int]
+_Floats = Sequence[float] | Iterable[float]
+_FinishReason = Literal["stop", "length", "abort", "error"]
+# Dynamic values of utility calls: None, bool, int (-2**63 .. 2**64-1), float, str,
+# bytes, list/tuple (decoded as list), dict with str keys, nested at most 64 deep.
+_Value = Any
+
+MSG_ADD_REQUESTS: Final = 1
+MSG_ABORT: Final = 2
+MSG_UTILITY_CALL: Final = 3
+MSG_SHUTDOWN: Final = 4
+MSG_OUTPUT_BATCH: Final = 16
+MSG_UTILITY_RESULT: Final = 17
+MSG_READY: Final = 18
+MSG_ENGINE_ERROR: Final = 19
+DEFAULT_MAX_FRAME_SIZE: Final = 268435456
+"""Frames above this many bytes (256 MiB) are rejected unless `decode_message` is
+given a larger `max_frame_size`."""
+
+@final
+class AddRequest:
+    """A new request for EngineCore: the prompt and every sampling field it needs.
+
+    Immutable. Values are carried as given (`top_k` 0 and -1 both mean disabled;
+    the codec does not normalise). The defaults are `SamplingParams`' defaults.
+    List getters build a new list on each call; `num_prompt_tokens` does not.
+    Equality compares every field, floats bit for bit.
+    """
+
+    def __new__(
+        cls,
+        wire_id: int,
+        prompt_token_ids: _Ints,
+        *,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop_token_ids: _Ints | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+    ) -> Self: ...
+    @property
+    def wire_id(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def logprobs(self) -> int | None: ...
+    @property
+    def prompt_logprobs(self) -> int | None: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+
+@final
+class SchedulerStats:
+    """The scheduler's counters after a step (immutable)."""
+
+    def __new__(
+        cls,
+        *,
+        num_running: int = 0,
+        num_waiting: int = 0,
+        kv_cache_usage: float = 0.0,
+        prefix_cache_queries: int = 0,
+        prefix_cache_hits: int = 0,
+        num_preemptions: int = 0,
+    ) -> Self: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float:
+        """Stored as float32 on the wire."""
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+
+@final
+class Ready:
+    """The handshake EngineCore sends once it is ready to serve (immutable)."""
+
+    def __new__(
+        cls,
+        *,
+        max_model_len: int,
+        num_kv_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        eos_token_ids: _Ints,
+    ) -> Self: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+
+@final
+class Logprobs:
+    """Log-probabilities of `num_positions` positions with `width` entries each: the
+    sampled (or, for prompts, the actual) token first, then the top-N.
+
+    `token_ids` and `logprobs` are flat, row-major `num_positions * width`;
+    `ranks[k]` is the rank of the sampled/actual token at position k. The
+    constructor infers `width = len(token_ids) // len(ranks)` (0 without
+    positions) and rejects inconsistent lengths. Values travel as float32.
+    Equality is bit-exact.
+    """
+
+    def __new__(cls, token_ids: _Ints, logprobs: _Floats, ranks: _Ints) -> Self: ...
+    @property
+    def num_positions(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
+    @property
+    def ranks(self) -> list[int]: ...
+
+_LogprobsInput = Logprobs | tuple[_Ints, _Floats, _Ints] | None
+
+@final
+class OutputBatch:
+    """A decoded output batch: one engine step's outputs, one entry per request.
+
+    Columns are built when accessed (each access builds new lists), so no Python
+    int exists for a token until `new_token_ids(i)` or `all_new_token_ids()` is
+    called. Indices accept negative values like a list's.
+    """
+
+    def __len__(self) -> int: ...
+    @property
+    def wire_ids(self) -> list[int]: ...
+    def new_token_ids(self, i: int) -> list[int]:
+        """The new token ids of output `i`; `IndexError` when out of range."""
+    def all_new_token_ids(self) -> list[list[int]]:
+        """The new token ids of every output, one list each."""
+    @property
+    def num_new_tokens(self) -> list[int]: ...
+    @property
+    def finish_reasons(self) -> list[_FinishReason | None]: ...
+    @property
+    def stop_reasons(self) -> list[int | None]:
+        """The stop token id that finished each request, if one did."""
+    @property
+    def errors(self) -> list[str | None]:
+        """Why a request failed on its own (with finish reason "error")."""
+    @property
+    def finished_indices(self) -> list[int]:
+        """Indices of the outputs whose request finished in this step."""
+    def logprobs(self, i: int) -> Logprobs | None: ...
+    def prompt_logprobs(self, i: int) -> Logprobs | None: ...
+    @property
+    def stats(self) -> SchedulerStats: ...
+    @property
+    def timestamp(self) -> float: ...
+
+def encode_add_requests(requests: Iterable[AddRequest]) -> bytes:
+    """A burst of new requests as one `MSG_ADD_REQUESTS` frame."""
+
+def encode_add_request(request: AddRequest) -> bytes:
+    """One new request: a `MSG_ADD_REQUESTS` frame holding a burst of one."""
+
+def encode_abort(wire_ids: _Ints) -> bytes:
+    """A `MSG_ABORT` frame: abort these requests."""
+
+def encode_utility_call(call_id: int, method: str, args: _Value) -> bytes:
+    """A `MSG_UTILITY_CALL` frame: call `method(args)` on EngineCore."""
+
+def encode_utility_result(call_id: int, ok: bool, value: _Value) -> bytes:
+    """A `MSG_UTILITY_RESULT` frame: the call's return value when `ok`, else `value`
+    is the error message (a str)."""
+
+def encode_ready(ready: Ready) -> bytes:
+    """A `MSG_READY` frame: the handshake."""
+
+def encode_engine_error(message: str) -> bytes:
+    """A `MSG_ENGINE_ERROR` frame: EngineCore hit a fatal error and is going away."""
+
+def encode_shutdown() -> bytes:
+    """A `MSG_SHUTDOWN` frame."""
+
+def encode_output_batch(
+    wire_ids: _Ints,
+    new_token_ids: Sequence[_Ints],
+    stats: SchedulerStats,
+    timestamp: float,
+    *,
+    finish_reasons: Sequence[_FinishReason | None] | None = None,
+    stop_reasons: Sequence[int | None] | None = None,
+    errors: Sequence[str | None] | None = None,
+    logprobs: Sequence[_LogprobsInput] | None = None,
+    prompt_logprobs: Sequence[_LogprobsInput] | None = None,
+) -> bytes:
+    """A `MSG_OUTPUT_BATCH` frame from per-request columns: output i is
+    `wire_ids[i]`, `new_token_ids[i]`, and entry i of each optional column (a
+    column left as None means None for every request; one given must have one
+    entry per wire id). Logprobs entries are None, a `Logprobs`, or a
+    `(token_ids, logprobs, ranks)` tuple as for the `Logprobs` constructor."""
+
+def decode_message(
+    frame: bytes | bytearray | memoryview, max_frame_size: int | None = None
+) -> tuple[int, Any]:
+    """Decodes one frame into `(message type, payload)`:
+
+    - `MSG_ADD_REQUESTS`: `list[AddRequest]`
+    - `MSG_ABORT`: `list[int]` (wire ids)
+    - `MSG_UTILITY_CALL`: `(call_id, method, args)`
+    - `MSG_UTILITY_RESULT`: `(call_id, ok, value or error message)`
+    - `MSG_READY`: `Ready`
+    - `MSG_ENGINE_ERROR`: `str`
+    - `MSG_SHUTDOWN`: `None`
+    - `MSG_OUTPUT_BATCH`: `OutputBatch`
+
+    `bytes` are read in place; other buffers are copied first. Raises `WireError`
+    for a frame larger than `max_frame_size` (None: `DEFAULT_MAX_FRAME_SIZE`),
+    truncated, of an unknown type or wire version, with a field of the wrong type
+    or an array of the wrong length, or with bytes after its body.
+    """
 
 # --- detokenizer (rust/py/detok.rs) ---
 

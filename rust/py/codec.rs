@@ -116,12 +116,13 @@ fn encode_shutdown(py: Python<'_>) -> Bound<'_, PyBytes> {
 
 /// Decodes one frame into `(message type, payload)`.
 #[pyfunction]
-#[pyo3(signature = (frame, max_frame_size=DEFAULT_MAX_FRAME_SIZE))]
+#[pyo3(signature = (frame, max_frame_size=None))]
 fn decode_message<'py>(
     py: Python<'py>,
     frame: &Bound<'py, PyAny>,
-    max_frame_size: usize,
+    max_frame_size: Option<usize>,
 ) -> PyResult<Bound<'py, PyTuple>> {
+    let max_frame_size = max_frame_size.unwrap_or(DEFAULT_MAX_FRAME_SIZE);
     let message = if let Ok(bytes) = frame.cast::<PyBytes>() {
         // `bytes` is immutable, so reading it without the GIL is sound.
         let data = bytes.as_bytes();

@@ -41,7 +41,8 @@ pub fn int<T>(
 where
     T: for<'a, 'py> FromPyObject<'a, 'py>,
 {
-    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+    // Anything with `__index__` (numpy integers too), but not a bool.
+    if obj.is_instance_of::<PyBool>() {
         return Err(bad(path, &format!("an int in {range}"), obj));
     }
     obj.extract::<T>()
@@ -167,6 +168,27 @@ pub fn u32s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u32
 }
 
 pub fn u64s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u64>, WireError> {
+    if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() {
+        let copy_err = |e: PyErr| WireError::encode(path(), e.to_string());
+        if let Ok(buf) = PyBuffer::<u64>::get(obj) {
+            return buf.to_vec(obj.py()).map_err(copy_err);
+        }
+        if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+            let values = buf.to_vec(obj.py()).map_err(copy_err)?;
+            return values
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    u64::try_from(v).map_err(|_| {
+                        WireError::encode(
+                            format!("{}[{i}]", path()),
+                            format!("{v} is not in 0..2^64"),
+                        )
+                    })
+                })
+                .collect();
+        }
+    }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for_each(obj, path, |i, item| {
         out.push(u64_(item, || format!("{}[{i}]", path()))?);
