@@ -50,9 +50,10 @@ def run_engine(model_dir: Path, prompts, outs, threads: int) -> dict:
     sched = engine.core.scheduler
 
     def timed_step():
-        decode_only = all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
-        ) and not sched.waiting
+        decode_only = (
+            all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
+            and not sched.waiting
+        )
         batch = len(sched.running)
         t0 = time.perf_counter()
         result = original()
@@ -93,7 +94,11 @@ def run_transformers(model_dir: Path, prompts, outs, batch: int = 64) -> dict:
             mask[row, width - n :] = 1
         new = max(outs[i] for i in idx)
         model.generate(
-            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
             pad_token_id=0,
         )
     elapsed = time.perf_counter() - t0
@@ -138,11 +143,16 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print()
     print(f"torch threads: {threads}; medians of {args.repeats} runs")
-    print("| model | workload | asyncllm tok/s | transformers tok/s | ratio | decode step ms (b=256) | floor ms | step/floor |")
+    print(
+        "| model | workload | asyncllm tok/s | transformers tok/s | ratio "
+        "| decode step ms (b=256) | floor ms | step/floor |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        def f(key, fmt="{:.1f}"):
+
+        def f(key, fmt="{:.1f}", r=r):
             return fmt.format(r[key]) if key in r else "–"
+
         print(
             f"| {r['model']} | {r['workload']} | {f('engine_tok_s')} | {f('hf_tok_s')} | "
             f"{f('ratio', '{:.2f}×')} | {f('decode256_step_ms', '{:.2f}')} | "

@@ -24,9 +24,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 @torch.inference_mode()
 def time_floor_decode(model_dir: str, batch: int, context: int, repeats: int = 10) -> float:
     """Median seconds of one decode step for `batch` sequences at `context` tokens."""
-    from transformers import AutoConfig
-    from safetensors.torch import load_file
     import glob
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
     sd: dict[str, torch.Tensor] = {}
@@ -56,7 +57,9 @@ def time_floor_decode(model_dir: str, batch: int, context: int, repeats: int = 1
     norm = sd["model.norm.weight"]
     k_cache = [torch.randn(batch, Hkv, context + 1, D) for _ in range(L)]
     v_cache = [torch.randn(batch, Hkv, context + 1, D) for _ in range(L)]
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2).float() / D))
+    from asyncllm.models.layers import rope_inv_freq, rope_parameters
+
+    inv = rope_inv_freq(D, rope_parameters(cfg))
     freqs = context * inv
     cos = torch.cat([freqs.cos(), freqs.cos()]).view(1, 1, 1, D)
     sin = torch.cat([freqs.sin(), freqs.sin()]).view(1, 1, 1, D)

@@ -17,7 +17,9 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_dir(request, tmp_path_factory):
     tokenizer = {"llama": "llama-2", "qwen2": "qwen2.5"}[request.param]
-    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, tokenizer=tokenizer)
+    return make_tiny_model(
+        tmp_path_factory.mktemp(request.param), arch=request.param, tokenizer=tokenizer
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +167,9 @@ def test_seeded_sampling_is_reproducible_across_batches(llama_dir):
     assert alone == again == mixed2[1].outputs[0].token_ids
     assert token_ids(mixed)[1] == token_ids(llm.generate([prompts[1]], seeded, use_tqdm=False))[0]
     unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
-    draws = {tuple(token_ids(llm.generate([prompts[0]], unseeded, use_tqdm=False))[0]) for _ in range(3)}
+    draws = {
+        tuple(token_ids(llm.generate([prompts[0]], unseeded, use_tqdm=False))[0]) for _ in range(3)
+    }
     assert len(draws) > 1, "unseeded sampling should vary between calls"
 
 
@@ -202,7 +206,9 @@ def test_logprobs_and_prompt_logprobs(llama_dir):
         assert token in entry
         assert entry[token].rank == 1  # greedy picks the most likely token
         assert 3 <= len(entry) <= 4
-    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=True))
+    )
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(prompt)
     for token, entry in zip(prompt[1:], out.prompt_logprobs[1:], strict=True):
@@ -236,7 +242,9 @@ def test_max_model_len_ends_generation(llama_dir):
 
 def test_text_prompts_and_n_children(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32")
-    outs = llm.generate(["Hello world", {"prompt_token_ids": [1, 15043]}], greedy(4, n=1), use_tqdm=False)
+    outs = llm.generate(
+        ["Hello world", {"prompt_token_ids": [1, 15043]}], greedy(4, n=1), use_tqdm=False
+    )
     assert outs[0].prompt == "Hello world"
     assert outs[0].prompt_token_ids == llm.get_tokenizer().encode("Hello world")
     assert outs[1].prompt_token_ids == [1, 15043]

@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
 from asyncllm.errors import ModelLoadError
 from asyncllm.models import build_attention_metadata, load_hf_config, load_model, native
-from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
-from transformers import AutoModelForCausalLM
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4

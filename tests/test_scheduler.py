@@ -14,7 +14,9 @@ BLOCK = 4
 
 def make_scheduler(num_blocks=64, max_seqs=8, budget=64, max_len=256, caching=True):
     kv = KVCacheManager(num_blocks, BLOCK, caching)
-    return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len)
+    return Scheduler(
+        kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len
+    )
 
 
 def make_request(rid, prompt, max_tokens=4, caching=True, **params):

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import tokenizer_dir
 from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from conftest import tokenizer_dir
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -96,7 +96,8 @@ class EngineArgs:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(
-                f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"unknown engine argument(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)
 
@@ -106,12 +107,12 @@ class EngineArgs:
 
         model_max = _model_context_len(hf_config)
         max_model_len = self.max_model_len or model_max
-        if model_max is not None and max_model_len > model_max:
-            raise _fail("max_model_len", self.max_model_len, f"<= the model's context {model_max}")
         if max_model_len is None:
             raise ConfigError(
                 "EngineArgs.max_model_len is required: the model config gives no context length"
             )
+        if model_max is not None and max_model_len > model_max:
+            raise _fail("max_model_len", self.max_model_len, f"<= the model's context {model_max}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise _fail("device", self.device, "'cpu' or 'auto': CUDA is not available here")
         device = self.device

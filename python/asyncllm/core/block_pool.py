@@ -23,7 +23,8 @@ class KVBlock:
         self.block_hash: BlockHash | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+        cached = self.block_hash is not None
+        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={cached})"
 
 
 class BlockPool:

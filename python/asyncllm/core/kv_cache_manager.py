@@ -109,9 +109,13 @@ class KVCacheManager:
     def _num_blocks_needed(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None
     ) -> int:
-        num_computed = request.num_computed_tokens + (len(computed) * self.block_size if computed else 0)
+        num_computed = request.num_computed_tokens + (
+            len(computed) * self.block_size if computed else 0
+        )
         total = -(-(num_computed + num_new_tokens) // self.block_size)
-        have = len(self.req_to_blocks.get(request.request_id, ())) + (len(computed) if computed else 0)
+        have = len(self.req_to_blocks.get(request.request_id, ())) + (
+            len(computed) if computed else 0
+        )
         return max(0, total - have)
 
     def _num_available(self, computed: list[KVBlock] | None) -> int:

@@ -91,8 +91,10 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str | dict):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    if (
+        isinstance(prompts, Sequence)
+        and prompts
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
     ):
-        return [prompts]  # one prompt given as token ids
+        return [prompts]  # type: ignore[list-item]  # one prompt given as token ids
     return list(prompts)  # type: ignore[arg-type]

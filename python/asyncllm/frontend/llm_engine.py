@@ -61,7 +61,7 @@ class LLMEngine:
             self.core.add_request(request)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        core_ids = []
+        core_ids: list[str] = []
         for rid in request_ids:
             parent = self._parents.get(rid)
             if parent is not None:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncllm.engine.messages import EngineCoreOutput
+from asyncllm.engine.messages import EngineCoreOutput, Logprobs
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
-from asyncllm.engine.messages import Logprobs
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from asyncllm.errors import ModelLoadError
+from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.registry import get_model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -25,7 +25,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_model(
     model_dir: str | Path, hf_config: Any, dtype: torch.dtype, device: torch.device
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """The model of `model_dir` with its weights in `dtype` on `device`, in eval mode.
 
     Raises ModelLoadError naming the missing weight file or tensor.

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from asyncllm.errors import ModelLoadError
 from asyncllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# Every supported family is a LlamaForCausalLM variant: one forward, one interface.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -36,6 +35,6 @@ def check_architecture(architectures: Any) -> str:
     )
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """The class that serves `hf_config`, or ModelLoadError naming what is supported."""
     return MODEL_REGISTRY[check_architecture(getattr(hf_config, "architectures", None))]

@@ -24,8 +24,8 @@ from asyncllm.models.loader import load_model
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
-from asyncllm.worker.sampling_metadata import build_sampling_metadata
 from asyncllm.worker.sampler import Sampler
+from asyncllm.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +117,11 @@ class ModelRunner:
         nt = ib.num_tokens[sample_rows]
         ib.token_ids[sample_rows, nt] = sampled_np
         ib.num_tokens[sample_rows] = nt + 1
-        done_ids = [r for r, d in zip(req_ids, done.tolist(), strict=True) if d] if n != len(
-            sample_rows
-        ) else req_ids
+        done_ids = (
+            [r for r, d in zip(req_ids, done.tolist(), strict=True) if d]
+            if n != len(sample_rows)
+            else req_ids
+        )
         out.sampled = dict(zip(done_ids, sampled_np.tolist(), strict=True))
         if result.logprob_ids is not None:
             self._collect_logprobs(out, result, done_ids, sample_rows)

@@ -13,7 +13,6 @@ from asyncllm.worker.sampler import Penalties, SamplingMetadata
 def build_sampling_metadata(
     ib: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
-    n = len(rows)
     greedy = ib.greedy[rows]
     all_greedy = bool(greedy.all())
     num_out = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
