@@ -21,71 +21,80 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-@torch.inference_mode()
-def time_floor_decode(model_dir: str, batch: int, context: int, repeats: int = 10) -> float:
-    """Median seconds of one decode step for `batch` sequences at `context` tokens."""
-    import glob
+class FloorDecode:
+    """One decode step for `batch` sequences at `context` tokens, nothing else."""
 
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
+    def __init__(self, model_dir: str, batch: int, context: int) -> None:
+        import glob
 
-    cfg = AutoConfig.from_pretrained(model_dir)
-    sd: dict[str, torch.Tensor] = {}
-    for f in glob.glob(f"{model_dir}/*.safetensors"):
-        sd.update(load_file(f))
-    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    L = cfg.num_hidden_layers
-    eps = cfg.rms_norm_eps
-    layers = []
-    for i in range(L):
-        p = f"model.layers.{i}."
-        qkv = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous()
-        gate_up = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        layers.append(
-            (
-                sd[p + "input_layernorm.weight"],
-                qkv,
-                sd[p + "self_attn.o_proj.weight"],
-                sd[p + "post_attention_layernorm.weight"],
-                gate_up.contiguous(),
-                sd[p + "mlp.down_proj.weight"],
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        from asyncllm.models.layers import rope_inv_freq, rope_parameters
+
+        cfg = AutoConfig.from_pretrained(model_dir)
+        sd: dict[str, torch.Tensor] = {}
+        for f in glob.glob(f"{model_dir}/*.safetensors"):
+            sd.update(load_file(f))
+        self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.eps = cfg.rms_norm_eps
+        self.inter = cfg.intermediate_size
+        self.batch, self.context = batch, context
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            gate_up = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+            self.layers.append(
+                (
+                    sd[p + "input_layernorm.weight"],
+                    qkv.contiguous(),
+                    sd[p + "self_attn.o_proj.weight"],
+                    sd[p + "post_attention_layernorm.weight"],
+                    gate_up.contiguous(),
+                    sd[p + "mlp.down_proj.weight"],
+                )
             )
-        )
-    embed = sd["model.embed_tokens.weight"]
-    lm_head = sd.get("lm_head.weight", embed)
-    norm = sd["model.norm.weight"]
-    k_cache = [torch.randn(batch, Hkv, context + 1, D) for _ in range(L)]
-    v_cache = [torch.randn(batch, Hkv, context + 1, D) for _ in range(L)]
-    from asyncllm.models.layers import rope_inv_freq, rope_parameters
+        self.embed = sd["model.embed_tokens.weight"]
+        self.lm_head = sd.get("lm_head.weight", self.embed)
+        self.norm = sd["model.norm.weight"]
+        shape = (batch, self.Hkv, context + 1, self.D)
+        self.k_cache = [torch.randn(shape) for _ in self.layers]
+        self.v_cache = [torch.randn(shape) for _ in self.layers]
+        freqs = context * rope_inv_freq(self.D, rope_parameters(cfg))
+        self.cos = torch.cat([freqs.cos(), freqs.cos()]).view(1, 1, 1, self.D)
+        self.sin = torch.cat([freqs.sin(), freqs.sin()]).view(1, 1, 1, self.D)
+        self.ids = torch.randint(0, cfg.vocab_size, (batch,))
 
-    inv = rope_inv_freq(D, rope_parameters(cfg))
-    freqs = context * inv
-    cos = torch.cat([freqs.cos(), freqs.cos()]).view(1, 1, 1, D)
-    sin = torch.cat([freqs.sin(), freqs.sin()]).view(1, 1, 1, D)
-    ids = torch.randint(0, cfg.vocab_size, (batch,))
-    inter = cfg.intermediate_size
-
-    def step() -> torch.Tensor:
-        x = embed[ids]
-        for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(layers):
-            h = _rms(x, ln1, eps) @ qkv.t()
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        B, H, Hkv, D, ctx = self.batch, self.H, self.Hkv, self.D, self.context
+        x = self.embed[self.ids]
+        for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.layers):
+            h = _rms(x, ln1, self.eps) @ qkv.t()
             q, k, v = h.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = _rope(q.view(batch, H, 1, D), cos, sin)
-            k = _rope(k.view(batch, Hkv, 1, D), cos, sin)
-            k_cache[i][:, :, context : context + 1] = k
-            v_cache[i][:, :, context : context + 1] = v.view(batch, Hkv, 1, D)
-            a = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], enable_gqa=True)
-            x = x + a.reshape(batch, H * D) @ o.t()
-            g, u = (_rms(x, ln2, eps) @ gate_up.t()).split([inter, inter], dim=-1)
+            q = _rope(q.view(B, H, 1, D), self.cos, self.sin)
+            k = _rope(k.view(B, Hkv, 1, D), self.cos, self.sin)
+            self.k_cache[i][:, :, ctx : ctx + 1] = k
+            self.v_cache[i][:, :, ctx : ctx + 1] = v.view(B, Hkv, 1, D)
+            a = F.scaled_dot_product_attention(
+                q, self.k_cache[i], self.v_cache[i], enable_gqa=Hkv != H
+            )
+            x = x + a.reshape(B, H * D) @ o.t()
+            g, u = (_rms(x, ln2, self.eps) @ gate_up.t()).split([self.inter, self.inter], dim=-1)
             x = x + (F.silu(g) * u) @ down.t()
-        logits = _rms(x, norm, eps) @ lm_head.t()
-        return logits.argmax(-1).cpu()
+        logits = (_rms(x, self.norm, self.eps) @ self.lm_head.t()).float()
+        return logits.argmax(-1).tolist()
 
-    step()
+
+def time_floor_decode(model_dir: str, batch: int, context: int, repeats: int = 10) -> float:
+    """Median seconds of one floor decode step."""
+    floor = FloorDecode(model_dir, batch, context)
+    floor.step()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        step()
+        floor.step()
         times.append(time.perf_counter() - t0)
     return median(times)
