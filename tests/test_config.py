@@ -90,3 +90,14 @@ def test_engine_args_size_given_two_ways_rejected():
 def test_unknown_engine_argument_named():
     with pytest.raises(ConfigError, match="max_num_seq\\b"):
         EngineArgs.from_kwargs(model="/m", max_num_seq=3)
+
+
+def test_resolve_caps_context_at_model_and_sliding_window():
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(max_position_embeddings=32768, sliding_window=4096)
+    assert EngineArgs(model="/m", device="cpu").resolve(cfg).max_model_len == 4096
+    with pytest.raises(ConfigError, match=r"max_model_len=8192 .* <= the model's context 4096"):
+        EngineArgs(model="/m", device="cpu", max_model_len=8192).resolve(cfg)
+    cfg.sliding_window = None
+    assert EngineArgs(model="/m", device="cpu").resolve(cfg).max_model_len == 32768
