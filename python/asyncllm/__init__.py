@@ -21,7 +21,6 @@ if _native_version() != __version__:  # pragma: no cover - a packaging error
     )
 
 
-
 def __getattr__(name: str) -> object:
     # The engines pull in torch; load them on first use so that importing
     # asyncllm (for SamplingParams, say) stays cheap.
