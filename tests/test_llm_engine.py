@@ -255,3 +255,24 @@ def test_text_prompts_and_n_children(llama_dir):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_output_and_the_core_request(llama_dir, include):
+    llm = LLM(str(llama_dir), dtype="float32")
+    prompt = prompts_for(1000, (9,))[0]
+    full = llm.generate([prompt], greedy(40), use_tqdm=False)[0].outputs[0]
+    assert full.text == llm.get_tokenizer().decode(full.token_ids)
+    stop = full.text[len(full.text) // 2 :][:3]
+    cut = full.text.index(stop)
+    out = llm.generate(
+        [prompt], greedy(40, stop=[stop], include_stop_str_in_output=include), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert out.text == full.text[: cut + (len(stop) if include else 0)]
+    # the kept tokens are a prefix of the full run, ending with the one that completed the stop
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert len(out.token_ids) < len(full.token_ids)
+    assert stop in llm.get_tokenizer().decode(out.token_ids)
+    assert_no_leaks(llm)

@@ -66,12 +66,15 @@ class LLMEngine:
             parent = self._parents.get(rid)
             if parent is not None:
                 core_ids.extend(c.core_id for c in parent.children if c.finish_reason is None)
-        outputs = self.core.abort_requests(core_ids)
-        return self._finish(self.output_processor.process_outputs(outputs))
+        outputs, _ = self.output_processor.process_outputs(self.core.abort_requests(core_ids))
+        return self._finish(outputs)
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
-        return self._finish(self.output_processor.process_outputs(core_outputs.outputs))
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        if stopped:  # a stop string ended these: the core stops computing them now
+            self.core.abort_requests(stopped)
+        return self._finish(outputs)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -1,13 +1,18 @@
 """Turns engine-core outputs into `RequestOutput`s: accumulates tokens and
-logprobs per request, detokenizes, and joins the children of an `n > 1` request.
+logprobs per request, detokenizes, finds stop strings, and joins the children of
+an `n > 1` request.
 
-One loop per step over that step's outputs; this is the front end's hot path.
+One loop per step over that step's outputs, around one call of the Rust
+detokenizer for all of them (which runs without the GIL); this is the front end's
+hot path.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+from asyncllm._core import Detokenizer
 from asyncllm.engine.messages import EngineCoreOutput, Logprobs
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -36,6 +41,7 @@ class ChildState:
     core_id: str
     index: int
     parent: ParentState
+    detok_id: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -49,44 +55,76 @@ class ChildState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer.path)
         self.children: dict[str, ChildState] = {}
+        self._detok_ids = itertools.count()
 
     def add_request(self, parent: ParentState, core_ids: list[str]) -> None:
-        wants_logprobs = parent.params.logprobs is not None
+        params = parent.params
+        wants_logprobs = params.logprobs is not None
         for index, core_id in enumerate(core_ids):
-            child = ChildState(core_id, index, parent)
+            child = ChildState(core_id, index, parent, next(self._detok_ids))
             if wants_logprobs:
                 child.logprobs = []
                 child.cumulative_logprob = 0.0
+            self.detokenizer.add_request(
+                child.detok_id,
+                parent.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            )
             parent.children.append(child)
             self.children[core_id] = child
 
     def has_unfinished(self) -> bool:
         return bool(self.children)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """Absorb one step's outputs; return the RequestOutputs due now."""
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Absorb one step's outputs. Returns the RequestOutputs due now and the core
+        ids of requests a stop string just finished, which the core must abort."""
+        children = self.children
+        live = [(children[o.request_id], o) for o in outputs if o.request_id in children]
+        if not live:
+            return [], []
+        detok_results = self.detokenizer.step(
+            [c.detok_id for c, _ in live],
+            [o.new_token_ids for _, o in live],
+            [o.finish_reason is not None for _, o in live],
+        )
         due: dict[str, ParentState] = {}
-        for out in outputs:
-            child = self.children.get(out.request_id)
-            if child is None:
-                continue  # finished or aborted already
+        stopped: list[str] = []
+        for (child, out), (text, stop_index, num_kept, _) in zip(live, detok_results, strict=True):
             parent = child.parent
-            child.token_ids.extend(out.new_token_ids)
+            new_ids = out.new_token_ids
+            if stop_index is not None:
+                new_ids = new_ids[:num_kept]
+            child.token_ids.extend(new_ids)
+            child.text += text
             if out.logprobs is not None and child.logprobs is not None:
-                self._append_logprobs(child, out.logprobs)
+                self._append_logprobs(child, out.logprobs, len(new_ids))
             if out.prompt_logprobs is not None:
                 parent.prompt_logprobs = self._prompt_logprobs(out.prompt_logprobs)
             if out.num_cached_tokens:
                 parent.num_cached_tokens = out.num_cached_tokens
-            if out.finish_reason is not None:
+            if stop_index is not None:
+                child.finish_reason = "stop"
+                child.stop_reason = parent.params.stop_strings[stop_index]
+                self.detokenizer.remove(child.detok_id)
+                if out.finish_reason is None:
+                    stopped.append(child.core_id)
+                del children[child.core_id]
+            elif out.finish_reason is not None:
                 child.finish_reason = out.finish_reason
                 child.stop_reason = out.stop_reason
-                del self.children[child.core_id]
-            kind = parent.params.output_kind
-            if kind != RequestOutputKind.FINAL_ONLY or parent.finished:
+                del children[child.core_id]
+            if parent.params.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished:
                 due[parent.request_id] = parent
-        return [self._make_output(p) for p in due.values()]
+        return [self._make_output(p) for p in due.values()], stopped
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
         params = parent.params
@@ -94,7 +132,7 @@ class OutputProcessor:
         finished = parent.finished
         completions = []
         for child in parent.children:
-            text = self.tokenizer.decode(child.token_ids, params.skip_special_tokens)
+            text = child.text
             tokens, logprobs = child.token_ids, child.logprobs
             if delta:
                 new_text = text[child.num_sent_chars :]
@@ -126,9 +164,11 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
         )
 
-    def _append_logprobs(self, child: ChildState, lp: Logprobs) -> None:
+    def _append_logprobs(self, child: ChildState, lp: Logprobs, num: int) -> None:
         assert child.logprobs is not None
-        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
+        for ids, values, rank in zip(
+            lp.token_ids[:num], lp.logprobs[:num], lp.ranks[:num], strict=True
+        ):
             child.logprobs.append(self._logprob_dict(ids, values, rank))
             child.cumulative_logprob = (child.cumulative_logprob or 0.0) + values[0]
 
