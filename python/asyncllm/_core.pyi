@@ -378,3 +378,38 @@ class Detokenizer:
 
     def __len__(self) -> int: ...
     def __contains__(self, request_id: int, /) -> bool: ...
+
+# --- kernels (rust/py/kernels.rs) ---
+# CPU compute kernels over buffer-protocol arrays: pass `tensor.numpy()`, zero-copy
+# for CPU tensors. Every argument is checked before anything is written, and every
+# problem raises ValueError. The GIL is released while a kernel computes, so other
+# threads must not write to its buffers meanwhile.
+
+from typing_extensions import Buffer as _Buffer  # noqa: E402
+
+def paged_decode_attention(
+    out: _Buffer,
+    q: _Buffer,
+    kv_cache: _Buffer,
+    block_tables: _Buffer,
+    seq_lens: _Buffer,
+    scale: float,
+    num_threads: int,
+) -> None:
+    """Decode attention for `num_seqs` sequences of one query token each, reading
+    K/V in place through block tables (rust/kernels/paged_attention.rs).
+
+    Writes `out` [num_seqs, num_heads * head_dim] float32 with, for each sequence b
+    and query head h, softmax(scale * q[b, h] . K_b) V_b over the first seq_lens[b]
+    tokens of the sequence, token t sitting in block block_tables[b, t // block_size]
+    at offset t % block_size. Query head h reads KV head h // (num_heads //
+    num_kv_heads) (grouped-query attention).
+
+    q: [num_seqs, num_heads, head_dim] float32. kv_cache: [2, num_blocks,
+    block_size, num_kv_heads, head_dim] float32 (0 = K, 1 = V). block_tables:
+    [num_seqs, blocks_per_seq] int64 or int32; entries past a sequence's last block
+    are not read. seq_lens: [num_seqs] int64 or int32, each in
+    1..blocks_per_seq * block_size. All C-contiguous; `out` writable and apart from
+    the inputs. The work is split over `num_threads` threads (at least 1; pass
+    `torch.get_num_threads()`). Raises ValueError on a wrong dtype, shape or
+    layout, a seq_len out of range or a block id outside 0..num_blocks."""

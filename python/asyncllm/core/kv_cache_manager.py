@@ -14,8 +14,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        self._num_cached_blocks: dict[str, int] = {}
+        self.req_to_blocks: dict[int, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
 
@@ -103,7 +103,7 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: int) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def _num_blocks_needed(

@@ -67,7 +67,7 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        request_id: int,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         *,

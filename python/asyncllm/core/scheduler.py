@@ -42,12 +42,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Requests that left since the last schedule(); the runner drops them.
-        self._finished_ids: set[str] = set()
+        self._finished_ids: set[int] = set()
 
     # -- admission and removal ------------------------------------------------
 
@@ -57,7 +57,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Iterable[int], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests from outside the step; their blocks
         are freed at once. Unknown or already finished ids are ignored."""
         finished = []
@@ -86,10 +86,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         kv = self.kv_cache
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        num_scheduled: dict[int, int] = {}
+        new_block_ids: dict[int, list[int]] = {}
         new_reqs: list[NewRequestData] = []
-        preempted: set[str] = set()
+        preempted: set[int] = set()
 
         # 1. Running requests, oldest first; the newest are preempted when needed.
         running = self.running
@@ -159,7 +159,7 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled: dict[int, int]
     ) -> list[Request]:
         """Advance every scheduled request by its computed tokens, append the
         sampled token of those that were sampled, and finish the ones that must

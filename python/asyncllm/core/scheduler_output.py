@@ -12,7 +12,7 @@ class NewRequestData:
     """A request the runner has no row for: first scheduled, or resumed after
     preemption (then `token_ids` includes the tokens generated before it)."""
 
-    req_id: str
+    req_id: int
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -29,11 +29,11 @@ class SchedulerOutput:
 
     new_reqs: list[NewRequestData]
     # req_id -> block ids appended to a running request's table this step
-    new_block_ids: dict[str, list[int]]
-    num_scheduled_tokens: dict[str, int]
+    new_block_ids: dict[int, list[int]]
+    num_scheduled_tokens: dict[int, int]
     total_num_scheduled_tokens: int
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[int] = field(default_factory=set)
+    preempted_req_ids: set[int] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

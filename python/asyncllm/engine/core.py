@@ -90,7 +90,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+    def abort_requests(self, request_ids: Iterable[int]) -> list[EngineCoreOutput]:
         """Finish the requests now and free their blocks; returns their final outputs."""
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in done]

@@ -23,7 +23,7 @@ class Logprobs:
 
 @dataclass(slots=True)
 class EngineCoreRequest:
-    request_id: str
+    request_id: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
@@ -34,7 +34,7 @@ class EngineCoreRequest:
 class EngineCoreOutput:
     """One request's progress in one step."""
 
-    request_id: str
+    request_id: int
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | None = None  # the stop token id, when a stop token ended it

@@ -8,6 +8,7 @@ from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.sampling_params import SamplingParams
 
 # A prompt: text, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -63,3 +64,15 @@ class InputProcessor:
                     f"prompt token id {t!r} is not an int in [0, {self.vocab_size})"
                 )
         return out
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """The parameters of each core request behind one user request: itself for
+    n == 1, else n children with n=1 and, when seeded, seeds seed, seed+1, ... so the
+    children differ but the whole request stays reproducible."""
+    if params.n == 1:
+        return [params]
+    return [
+        params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]

@@ -11,7 +11,7 @@ from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.messages import EngineCoreRequest
 from asyncllm.errors import InvalidRequestError
-from asyncllm.frontend.input_processor import InputProcessor, PromptType
+from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_processor import OutputProcessor, ParentState
 from asyncllm.frontend.tokenizer import Tokenizer, resolve_eos_token_ids
 from asyncllm.models.hf_config import load_hf_config
@@ -32,6 +32,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._parents: dict[str, ParentState] = {}
         self._counter = itertools.count()
+        self._wire_ids = itertools.count()
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
@@ -42,26 +43,20 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.input_processor.process(prompt)
-        if params.n == 1:
-            children = [(request_id, params)]
-        else:
-            children = [
-                (
-                    f"{request_id}#{i}",
-                    params.clone(n=1, seed=None if params.seed is None else params.seed + i),
-                )
-                for i in range(params.n)
-            ]
-        core_reqs = [EngineCoreRequest(cid, prompt_ids, p) for cid, p in children]
+        children = fan_out(params)
+        core_ids = [next(self._wire_ids) for _ in children]
+        core_reqs = [
+            EngineCoreRequest(cid, prompt_ids, p) for cid, p in zip(core_ids, children, strict=True)
+        ]
         requests = [self.core.make_request(r) for r in core_reqs]  # validate all first
         parent = ParentState(request_id, text, prompt_ids, params)
-        self.output_processor.add_request(parent, [cid for cid, _ in children])
+        self.output_processor.add_request(parent, core_ids)
         self._parents[request_id] = parent
         for request in requests:
             self.core.add_request(request)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        core_ids: list[str] = []
+        core_ids: list[int] = []
         for rid in request_ids:
             parent = self._parents.get(rid)
             if parent is not None:

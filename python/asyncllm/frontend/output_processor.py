@@ -9,7 +9,6 @@ hot path.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from asyncllm._core import Detokenizer
@@ -38,10 +37,9 @@ class ParentState:
 
 @dataclass
 class ChildState:
-    core_id: str
+    core_id: int  # the request's id in the core and on the wire; also its detokenizer id
     index: int
     parent: ParentState
-    detok_id: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -56,19 +54,18 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer.path)
-        self.children: dict[str, ChildState] = {}
-        self._detok_ids = itertools.count()
+        self.children: dict[int, ChildState] = {}
 
-    def add_request(self, parent: ParentState, core_ids: list[str]) -> None:
+    def add_request(self, parent: ParentState, core_ids: list[int]) -> None:
         params = parent.params
         wants_logprobs = params.logprobs is not None
         for index, core_id in enumerate(core_ids):
-            child = ChildState(core_id, index, parent, next(self._detok_ids))
+            child = ChildState(core_id, index, parent)
             if wants_logprobs:
                 child.logprobs = []
                 child.cumulative_logprob = 0.0
             self.detokenizer.add_request(
-                child.detok_id,
+                core_id,
                 parent.prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
@@ -84,7 +81,7 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput], list[int]]:
         """Absorb one step's outputs. Returns the RequestOutputs due now and the core
         ids of requests a stop string just finished, which the core must abort."""
         children = self.children
@@ -92,12 +89,12 @@ class OutputProcessor:
         if not live:
             return [], []
         detok_results = self.detokenizer.step(
-            [c.detok_id for c, _ in live],
+            [c.core_id for c, _ in live],
             [o.new_token_ids for _, o in live],
             [o.finish_reason is not None for _, o in live],
         )
         due: dict[str, ParentState] = {}
-        stopped: list[str] = []
+        stopped: list[int] = []
         for (child, out), (text, stop_index, num_kept, _) in zip(live, detok_results, strict=True):
             parent = child.parent
             new_ids = out.new_token_ids
@@ -114,7 +111,7 @@ class OutputProcessor:
             if stop_index is not None:
                 child.finish_reason = "stop"
                 child.stop_reason = parent.params.stop_strings[stop_index]
-                self.detokenizer.remove(child.detok_id)
+                self.detokenizer.remove(child.core_id)
                 if out.finish_reason is None:
                     stopped.append(child.core_id)
                 del children[child.core_id]

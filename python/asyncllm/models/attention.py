@@ -7,6 +7,10 @@ keys up to its own position back from the cache through its block table.
 KV cache layout, per layer (allocated by the model runner):
     [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 
+Decodes on CPU in float32 read K/V in place through the block tables with the Rust
+kernel `_core.paged_decode_attention` (rust/kernels/paged_attention.rs); every other
+device and dtype gathers K/V out of the cache and runs SDPA.
+
 Everything that does not depend on the layer (block tables trimmed to what the step
 reads, key-padding and causal masks, prefill spans) is built once per step by
 `build_attention_metadata` and shared by every layer, so a layer does tensor work only.
@@ -20,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncllm.models import native
+from asyncllm import _core
 
 
 @dataclass
@@ -49,7 +53,7 @@ class AttentionMetadata:
     # decode reads (padded with block 0, hidden by the mask); None without decodes.
     decode_block_tables: torch.Tensor | None
     decode_max_len: int  # keys gathered per decode: the longest decode's seq_len
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64 (the CPU kernel's bound)
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64 (the Rust kernel's bound)
     # [num_decodes, 1, 1, decode_max_len] bool (True = attend); None when every decode
     # has the same length and nothing needs hiding.
     decode_mask: torch.Tensor | None
@@ -178,7 +182,52 @@ def paged_attention(
     return torch.cat(outputs, dim=0)
 
 
+def can_use_native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether decodes run on the Rust kernel: CPU float32 with a contiguous cache.
+    CUDA and half precision take the torch path (gather, then SDPA)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+    )
+
+
 def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """All decodes of the step: q [B, Hq, D] over each sequence's cached keys;
+    returns [B, Hq * D]."""
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    if can_use_native_decode(q, kv_cache):
+        return _native_decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    return _torch_decode(q, kv_cache, meta, scale)
+
+
+def _native_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The Rust kernel, on zero-copy numpy views of the tensors; it releases the GIL
+    and splits the (sequence, KV head) pairs over torch's thread count."""
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype)
+    _core.paged_decode_attention(
+        out.numpy(),
+        q.contiguous().numpy(),
+        kv_cache.numpy(),
+        tables.numpy(),
+        seq_lens.numpy(),
+        scale,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _torch_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """All decodes in one batched SDPA. The query heads that share a KV head are laid
@@ -186,11 +235,7 @@ def _decode_attention(
     needs neither repeated K/V nor `enable_gqa`; returns [B, Hq * D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
-    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-    if native.can_use_kernel(q, kv_cache):
-        return native.paged_decode(
-            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-        )
+    assert meta.decode_block_tables is not None
     tables = meta.decode_block_tables
     # One gather for K and V together, into a reused workspace: a fresh multi-MiB
     # tensor per layer costs more in page faults than the copy itself.

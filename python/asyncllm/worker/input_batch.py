@@ -21,7 +21,7 @@ from asyncllm.sampling_params import SamplingParams
 class RowState:
     """What the runner remembers of a request beyond the arrays."""
 
-    req_id: str
+    req_id: int
     params: SamplingParams
     stop_token_ids: list[int]
     generator: torch.Generator | None
@@ -50,7 +50,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int32)  # -1 = none
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int32)
-        self.rows: dict[str, int] = {}
+        self.rows: dict[int, int] = {}
         self.states: list[RowState | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -81,7 +81,7 @@ class InputBatch:
         self.states[row] = RowState(new.req_id, p, sorted(new.stop_token_ids), generator)
         return row
 
-    def remove(self, req_id: str) -> RowState | None:
+    def remove(self, req_id: int) -> RowState | None:
         row = self.rows.pop(req_id, None)
         if row is None:
             return None
@@ -90,7 +90,7 @@ class InputBatch:
         self._free_rows.append(row)
         return state
 
-    def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
+    def append_blocks(self, req_id: int, block_ids: list[int]) -> None:
         row = self.rows[req_id]
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids

@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    sampled: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
     # complete prompt logprobs, delivered once the whole prompt has been computed
-    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -55,7 +55,7 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         # Seeded requests keep their generator across preemption, so a resumed
         # request continues its random stream instead of restarting it.
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[int, torch.Generator] = {}
         self._prompt_logprobs = PromptLogprobsCollector()
 
     @torch.inference_mode()
@@ -147,7 +147,7 @@ class ModelRunner:
             ib.add(new, gen)
 
     def _collect_logprobs(
-        self, out: ModelRunnerOutput, result: Any, req_ids: list[str], rows: np.ndarray
+        self, out: ModelRunnerOutput, result: Any, req_ids: list[int], rows: np.ndarray
     ) -> None:
         wanted = self.input_batch.num_logprobs[rows]
         ids = result.logprob_ids.tolist()

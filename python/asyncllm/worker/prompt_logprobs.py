@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 class PromptLogprobsCollector:
     def __init__(self) -> None:
-        self._partial: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = {}
+        self._partial: dict[int, tuple[list[list[int]], list[list[float]], list[int]]] = {}
 
-    def drop(self, req_id: str) -> None:
+    def drop(self, req_id: int) -> None:
         self._partial.pop(req_id, None)
 
     def collect(
@@ -28,12 +28,12 @@ class PromptLogprobsCollector:
         hidden: torch.Tensor,
         ib: InputBatch,
         rows: np.ndarray,
-        req_ids: list[str],
+        req_ids: list[int],
         ctx: np.ndarray,
         q: np.ndarray,
         cu: np.ndarray,
         wanted: np.ndarray,
-        out: dict[str, Logprobs],
+        out: dict[int, Logprobs],
     ) -> None:
         for i in np.flatnonzero(wanted).tolist():
             row = int(rows[i])
