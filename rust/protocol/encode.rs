@@ -6,7 +6,7 @@
 use super::error::{WireError, WireResult};
 use super::frame::header;
 use super::messages::{
-    AddRequest, FinishReason, Logprobs, Message, MessageType, OutputBatch, Ready, SchedulerStats,
+    AddRequest, FinishReason, LogprobsRef, Message, MessageType, OutputBatch, Ready, SchedulerStats,
 };
 use super::value::{write_value, Value};
 use super::writer::Writer;
@@ -153,8 +153,8 @@ pub fn encode_output_batch(batch: &OutputBatch) -> WireResult<Vec<u8>> {
             finish_reason: o.finish_reason,
             stop_reason: o.stop_reason,
             error: o.error.as_deref(),
-            logprobs: o.logprobs.as_ref(),
-            prompt_logprobs: o.prompt_logprobs.as_ref(),
+            logprobs: o.logprobs.as_ref().map(|lp| lp.as_ref()),
+            prompt_logprobs: o.prompt_logprobs.as_ref().map(|lp| lp.as_ref()),
         })?;
     }
     w.finish(&batch.stats, batch.timestamp)
@@ -168,8 +168,8 @@ pub struct RequestOutputRef<'a> {
     pub finish_reason: Option<FinishReason>,
     pub stop_reason: Option<u32>,
     pub error: Option<&'a str>,
-    pub logprobs: Option<&'a Logprobs>,
-    pub prompt_logprobs: Option<&'a Logprobs>,
+    pub logprobs: Option<LogprobsRef<'a>>,
+    pub prompt_logprobs: Option<LogprobsRef<'a>>,
 }
 
 /// Writes an output batch of a known number of outputs, one `push` per output,
@@ -246,7 +246,8 @@ impl OutputBatchWriter {
     }
 }
 
-fn write_opt_logprobs(w: &mut Writer, lp: Option<&Logprobs>, path: &str) -> WireResult<()> {
+#[inline]
+fn write_opt_logprobs(w: &mut Writer, lp: Option<LogprobsRef<'_>>, path: &str) -> WireResult<()> {
     let Some(lp) = lp else {
         w.nil();
         return Ok(());
@@ -256,8 +257,8 @@ fn write_opt_logprobs(w: &mut Writer, lp: Option<&Logprobs>, path: &str) -> Wire
     w.array_len(LOGPROBS_FIELDS, path)?;
     w.uint(lp.num_positions as u64);
     w.uint(lp.width as u64);
-    w.u32s(&lp.token_ids, path)?;
-    w.f32s(&lp.logprobs, path)?;
-    w.u32s(&lp.ranks, path)?;
+    w.u32s(lp.token_ids, path)?;
+    w.f32s(lp.logprobs, path)?;
+    w.u32s(lp.ranks, path)?;
     Ok(())
 }

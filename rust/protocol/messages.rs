@@ -158,6 +158,35 @@ pub struct Logprobs {
 }
 
 impl Logprobs {
+    /// A borrowed view, what the encoder takes.
+    pub fn as_ref(&self) -> LogprobsRef<'_> {
+        LogprobsRef {
+            num_positions: self.num_positions,
+            width: self.width,
+            token_ids: &self.token_ids,
+            logprobs: &self.logprobs,
+            ranks: &self.ranks,
+        }
+    }
+
+    /// Checks that the arrays have the lengths the shape says.
+    pub fn check_shape(&self) -> Result<(), String> {
+        self.as_ref().check_shape()
+    }
+}
+
+/// `Logprobs` with borrowed arrays, so a caller holding flat columns (the
+/// Python glue) encodes without a per-request allocation.
+#[derive(Debug, Clone, Copy)]
+pub struct LogprobsRef<'a> {
+    pub num_positions: u32,
+    pub width: u32,
+    pub token_ids: &'a [u32],
+    pub logprobs: &'a [f32],
+    pub ranks: &'a [u32],
+}
+
+impl LogprobsRef<'_> {
     /// Checks that the arrays have the lengths the shape says.
     pub fn check_shape(&self) -> Result<(), String> {
         let cells = self.num_positions as u64 * self.width as u64;

@@ -49,8 +49,8 @@ pub use encode::{
 pub use error::{WireError, WireResult};
 pub use frame::{split_frame, DEFAULT_MAX_FRAME_SIZE, HEADER_LEN};
 pub use messages::{
-    AddRequest, FinishReason, Logprobs, Message, MessageType, OutputBatch, Ready, RequestOutput,
-    SchedulerStats,
+    AddRequest, FinishReason, Logprobs, LogprobsRef, Message, MessageType, OutputBatch, Ready,
+    RequestOutput, SchedulerStats,
 };
 pub use value::{Value, MAX_VALUE_DEPTH};
 

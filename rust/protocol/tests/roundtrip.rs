@@ -179,8 +179,8 @@ fn output_batch_writer_matches_owned_encoder_and_checks_count() {
             finish_reason: o.finish_reason,
             stop_reason: o.stop_reason,
             error: o.error.as_deref(),
-            logprobs: o.logprobs.as_ref(),
-            prompt_logprobs: o.prompt_logprobs.as_ref(),
+            logprobs: o.logprobs.as_ref().map(|lp| lp.as_ref()),
+            prompt_logprobs: o.prompt_logprobs.as_ref().map(|lp| lp.as_ref()),
         })
         .unwrap();
     }

@@ -6,11 +6,13 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use super::classes::{finish_reason_str, opt_logprobs, wire_err, PyLogprobs, PySchedulerStats};
+use super::classes::{finish_reason_str, wire_err, PyLogprobs, PySchedulerStats};
 use super::extract;
-use crate::protocol::{self, FinishReason, OutputBatchWriter, RequestOutputRef, WireError};
+use crate::protocol::{
+    self, FinishReason, LogprobsRef, OutputBatchWriter, RequestOutputRef, WireError,
+};
 
 /// The columns of an output batch, owned, so they can cross `py.detach`.
 #[derive(Default)]
@@ -22,8 +24,125 @@ struct Columns {
     finish_reasons: Option<Vec<Option<FinishReason>>>,
     stop_reasons: Option<Vec<Option<u32>>>,
     errors: Option<Vec<Option<String>>>,
-    logprobs: Option<Vec<Option<Arc<protocol::Logprobs>>>>,
-    prompt_logprobs: Option<Vec<Option<Arc<protocol::Logprobs>>>>,
+    logprobs: Option<LogprobsColumn>,
+    prompt_logprobs: Option<LogprobsColumn>,
+}
+
+/// A logprobs column: every request's arrays appended to shared flat buffers,
+/// so extracting 256 requests' logprobs allocates a handful of times, not 1000.
+#[derive(Default)]
+struct LogprobsColumn {
+    entries: Vec<Option<LogprobsEntry>>,
+    token_ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    ranks: Vec<u32>,
+}
+
+#[derive(Clone, Copy)]
+struct LogprobsEntry {
+    first_cell: usize,
+    first_position: usize,
+    num_positions: u32,
+    width: u32,
+}
+
+impl LogprobsColumn {
+    /// Appends `None`, a `Logprobs`, or a `(token_ids, logprobs, ranks)` tuple.
+    fn push(&mut self, obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<(), WireError> {
+        if obj.is_none() {
+            self.entries.push(None);
+            return Ok(());
+        }
+        let (first_cell, first_position) = (self.token_ids.len(), self.ranks.len());
+        let (num_positions, width) = if let Ok(view) = obj.cast::<PyLogprobs>() {
+            let lp = &view.get().0;
+            self.token_ids.extend_from_slice(&lp.token_ids);
+            self.logprobs.extend_from_slice(&lp.logprobs);
+            self.ranks.extend_from_slice(&lp.ranks);
+            (lp.num_positions, lp.width)
+        } else {
+            let expected = "None, a Logprobs or a (token_ids, logprobs, ranks) tuple";
+            let parts = obj
+                .cast::<PyTuple>()
+                .ok()
+                .filter(|t| t.len() == 3)
+                .ok_or_else(|| extract::bad(path, expected, obj))?;
+            let item = |i| {
+                parts
+                    .get_item(i)
+                    .map_err(|e| WireError::encode(path(), e.to_string()))
+            };
+            extract::u32s_into(&item(0)?, &mut self.token_ids, &|| {
+                format!("{}.token_ids", path())
+            })?;
+            extract::f32s_into(&item(1)?, &mut self.logprobs, &|| {
+                format!("{}.logprobs", path())
+            })?;
+            extract::u32s_into(&item(2)?, &mut self.ranks, &|| format!("{}.ranks", path()))?;
+            let cells = self.token_ids.len() - first_cell;
+            let positions = self.ranks.len() - first_position;
+            let too_big = || WireError::encode(path(), "more than 2^32 - 1 positions or width");
+            let num_positions = u32::try_from(positions).map_err(|_| too_big())?;
+            let width = cells.checked_div(positions).unwrap_or(0);
+            (num_positions, u32::try_from(width).map_err(|_| too_big())?)
+        };
+        let entry = LogprobsEntry {
+            first_cell,
+            first_position,
+            num_positions,
+            width,
+        };
+        let lp = LogprobsRef {
+            num_positions,
+            width,
+            token_ids: &self.token_ids[first_cell..],
+            logprobs: &self.logprobs[first_cell.min(self.logprobs.len())..],
+            ranks: &self.ranks[first_position..],
+        };
+        lp.check_shape()
+            .map_err(|reason| WireError::encode(path(), reason))?;
+        self.entries.push(Some(entry));
+        Ok(())
+    }
+
+    fn get(&self, i: usize) -> Option<LogprobsRef<'_>> {
+        self.entries[i].map(|e| {
+            let cells = e.first_cell..e.first_cell + e.num_positions as usize * e.width as usize;
+            let positions = e.first_position..e.first_position + e.num_positions as usize;
+            LogprobsRef {
+                num_positions: e.num_positions,
+                width: e.width,
+                token_ids: &self.token_ids[cells.clone()],
+                logprobs: &self.logprobs[cells],
+                ranks: &self.ranks[positions],
+            }
+        })
+    }
+}
+
+/// Extracts an optional logprobs column of `n` entries.
+fn logprobs_column(
+    obj: Option<&Bound<'_, PyAny>>,
+    n: usize,
+    name: &'static str,
+) -> Result<Option<LogprobsColumn>, WireError> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let path = || format!("OutputBatch.{name}");
+    let len = extract::len(obj, &path)?;
+    if len != n {
+        return Err(WireError::encode(
+            path(),
+            format!("has {len} entries, expected {n} (one per wire id)"),
+        ));
+    }
+    let mut column = LogprobsColumn::default();
+    column.entries.reserve(n);
+    extract::for_each(obj, &path, |i, item| {
+        column.push(item, &|| format!("{}[{i}]", path()))
+    })?;
+    Ok(Some(column))
 }
 
 /// Extracts an optional column of `n` items with `read(index, item)`.
@@ -98,12 +217,8 @@ fn extract_columns(
             extract::str_(e, || format!("OutputBatch.errors[{i}]"))
         })
     })?;
-    c.logprobs = column(logprobs, n, "logprobs", |i, item| {
-        opt_logprobs(item, &|| format!("OutputBatch.logprobs[{i}]"))
-    })?;
-    c.prompt_logprobs = column(prompt_logprobs, n, "prompt_logprobs", |i, item| {
-        opt_logprobs(item, &|| format!("OutputBatch.prompt_logprobs[{i}]"))
-    })?;
+    c.logprobs = logprobs_column(logprobs, n, "logprobs")?;
+    c.prompt_logprobs = logprobs_column(prompt_logprobs, n, "prompt_logprobs")?;
     Ok(c)
 }
 
@@ -120,8 +235,8 @@ fn encode_columns(
             finish_reason: c.finish_reasons.as_ref().and_then(|v| v[i]),
             stop_reason: c.stop_reasons.as_ref().and_then(|v| v[i]),
             error: c.errors.as_ref().and_then(|v| v[i].as_deref()),
-            logprobs: c.logprobs.as_ref().and_then(|v| v[i].as_deref()),
-            prompt_logprobs: c.prompt_logprobs.as_ref().and_then(|v| v[i].as_deref()),
+            logprobs: c.logprobs.as_ref().and_then(|col| col.get(i)),
+            prompt_logprobs: c.prompt_logprobs.as_ref().and_then(|col| col.get(i)),
         })?;
     }
     w.finish(stats, timestamp)

@@ -420,33 +420,3 @@ pub fn logprobs_from_parts(
         .map_err(|reason| WireError::encode(path(), reason))?;
     Ok(lp)
 }
-
-/// `None`, a `Logprobs`, or a `(token_ids, logprobs, ranks)` tuple.
-pub fn opt_logprobs(
-    obj: &Bound<'_, PyAny>,
-    path: &dyn Fn() -> String,
-) -> Result<Option<Arc<protocol::Logprobs>>, WireError> {
-    if obj.is_none() {
-        return Ok(None);
-    }
-    if let Ok(view) = obj.cast::<PyLogprobs>() {
-        return Ok(Some(view.get().0.clone()));
-    }
-    let parts = obj
-        .cast::<pyo3::types::PyTuple>()
-        .ok()
-        .filter(|t| t.len() == 3)
-        .ok_or_else(|| {
-            extract::bad(
-                path,
-                "None, a Logprobs or a (token_ids, logprobs, ranks) tuple",
-                obj,
-            )
-        })?;
-    let item = |i| {
-        parts
-            .get_item(i)
-            .map_err(|e| WireError::encode(path(), e.to_string()))
-    };
-    logprobs_from_parts(&item(0)?, &item(1)?, &item(2)?, path).map(|lp| Some(Arc::new(lp)))
-}

@@ -3,7 +3,10 @@
 //! anything else iterable works too, more slowly. Failures are `WireError`s that
 //! name the argument and the element.
 
+use std::ptr::addr_of_mut;
+
 use pyo3::buffer::PyBuffer;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple};
 
@@ -139,6 +142,75 @@ pub fn len(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<usize, W
     obj.len().map_err(|_| bad(path, "a sized sequence", obj))
 }
 
+/// `obj` if its type is exactly `list`. An exact type check is a pointer compare,
+/// where `PyList_Check` is a call into libpython under the stable ABI.
+fn exact_list<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyList>> {
+    // SAFETY: `obj` is a live object and the GIL is held.
+    let is_list = unsafe { ffi::Py_TYPE(obj.as_ptr()) == addr_of_mut!(ffi::PyList_Type) };
+    // SAFETY: the type was just checked.
+    is_list.then(|| unsafe { obj.cast_unchecked::<PyList>() })
+}
+
+/// The value of an exact `int` in 0..2^64; `None` for anything else (the slow
+/// path then reports the error). Runs no Python code.
+///
+/// # Safety
+/// `item` is a live object and the GIL is held.
+#[inline]
+unsafe fn exact_int_u64(item: *mut ffi::PyObject) -> Option<u64> {
+    if unsafe { ffi::Py_TYPE(item) } != addr_of_mut!(ffi::PyLong_Type) {
+        return None;
+    }
+    let v = unsafe { ffi::PyLong_AsUnsignedLongLong(item) };
+    if v == u64::MAX && !unsafe { ffi::PyErr_Occurred() }.is_null() {
+        unsafe { ffi::PyErr_Clear() };
+        return None;
+    }
+    Some(v)
+}
+
+/// Reads every item of `list` with `fast` (borrowed, no reference counting),
+/// falling back to `slow` (an owned reference) where `fast` gives `None`.
+///
+/// The borrowed reads are sound because `fast` runs no Python code, so nothing
+/// can change the list under them; `slow` may, so each index is re-read and a
+/// list that shrank is an error rather than a dangling read.
+#[inline]
+fn read_list<T>(
+    list: &Bound<'_, PyList>,
+    out: &mut Vec<T>,
+    path: &dyn Fn() -> String,
+    fast: impl Fn(*mut ffi::PyObject) -> Option<T>,
+    slow: impl Fn(usize, &Bound<'_, PyAny>) -> Result<T, WireError>,
+) -> Result<(), WireError> {
+    // `PyList_Size` is a call under the stable ABI: read it once, and again
+    // only after `slow`, the one place Python code can run.
+    let mut len = list.len();
+    out.reserve(len);
+    let mut i = 0;
+    while i < len {
+        // SAFETY: the GIL is held and `i < len`, so this is a live borrowed item.
+        let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) };
+        if item.is_null() {
+            return Err(WireError::encode(
+                path(),
+                "the list changed during encoding",
+            ));
+        }
+        match fast(item) {
+            Some(v) => out.push(v),
+            None => {
+                // SAFETY: `item` is live; the new owned reference keeps it alive.
+                let owned = unsafe { Bound::from_borrowed_ptr(list.py(), item) };
+                out.push(slow(i, &owned)?);
+                len = list.len();
+            }
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
 /// Appends a sequence of u32 (a list, tuple, buffer of 4- or 8-byte ints, or
 /// any iterable of ints) to `out`.
 pub fn u32s_into(
@@ -146,6 +218,16 @@ pub fn u32s_into(
     out: &mut Vec<u32>,
     path: &dyn Fn() -> String,
 ) -> Result<(), WireError> {
+    if let Some(list) = exact_list(obj) {
+        return read_list(
+            list,
+            out,
+            path,
+            // SAFETY: `read_list` hands over live items with the GIL held.
+            |item| unsafe { exact_int_u64(item) }.and_then(|v| u32::try_from(v).ok()),
+            |i, item| u32_(item, || format!("{}[{i}]", path())),
+        );
+    }
     if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() {
         if let Some(values) = int_buffer(obj, path)? {
             out.extend(values);
@@ -168,6 +250,18 @@ pub fn u32s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u32
 }
 
 pub fn u64s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u64>, WireError> {
+    if let Some(list) = exact_list(obj) {
+        let mut out = Vec::new();
+        read_list(
+            list,
+            &mut out,
+            path,
+            // SAFETY: `read_list` hands over live items with the GIL held.
+            |item| unsafe { exact_int_u64(item) },
+            |i, item| u64_(item, || format!("{}[{i}]", path())),
+        )?;
+        return Ok(out);
+    }
     if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() {
         let copy_err = |e: PyErr| WireError::encode(path(), e.to_string());
         if let Ok(buf) = PyBuffer::<u64>::get(obj) {
@@ -198,25 +292,48 @@ pub fn u64s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<u64
 }
 
 pub fn f32s(obj: &Bound<'_, PyAny>, path: &dyn Fn() -> String) -> Result<Vec<f32>, WireError> {
+    let mut out = Vec::new();
+    f32s_into(obj, &mut out, path)?;
+    Ok(out)
+}
+
+/// Appends a sequence of floats (a list, tuple, float32/float64 buffer or any
+/// iterable of floats) to `out`, as f32.
+pub fn f32s_into(
+    obj: &Bound<'_, PyAny>,
+    out: &mut Vec<f32>,
+    path: &dyn Fn() -> String,
+) -> Result<(), WireError> {
+    if let Some(list) = exact_list(obj) {
+        return read_list(
+            list,
+            out,
+            path,
+            |item| {
+                // SAFETY: `read_list` hands over live items with the GIL held.
+                let is_float = unsafe { ffi::Py_TYPE(item) == addr_of_mut!(ffi::PyFloat_Type) };
+                // SAFETY: as above; an exact float converts without Python code or errors.
+                is_float.then(|| unsafe { ffi::PyFloat_AsDouble(item) } as f32)
+            },
+            |i, item| Ok(f64_(item, || format!("{}[{i}]", path()))? as f32),
+        );
+    }
     if !obj.is_instance_of::<PyList>() && !obj.is_instance_of::<PyTuple>() {
+        let copy_err = |e: PyErr| WireError::encode(path(), e.to_string());
         if let Ok(buf) = PyBuffer::<f32>::get(obj) {
-            return buf
-                .to_vec(obj.py())
-                .map_err(|e| WireError::encode(path(), e.to_string()));
+            out.extend(buf.to_vec(obj.py()).map_err(copy_err)?);
+            return Ok(());
         }
         if let Ok(buf) = PyBuffer::<f64>::get(obj) {
-            let values = buf
-                .to_vec(obj.py())
-                .map_err(|e| WireError::encode(path(), e.to_string()))?;
-            return Ok(values.into_iter().map(|v| v as f32).collect());
+            let values = buf.to_vec(obj.py()).map_err(copy_err)?;
+            out.extend(values.into_iter().map(|v| v as f32));
+            return Ok(());
         }
     }
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for_each(obj, path, |i, item| {
         out.push(f64_(item, || format!("{}[{i}]", path()))? as f32);
         Ok(())
-    })?;
-    Ok(out)
+    })
 }
 
 /// The items of a buffer of 4- or 8-byte integers as u32, range-checked; `None`
