@@ -20,7 +20,15 @@ pub(super) const OUTPUT_BATCH_FIELDS: usize = 3;
 pub(super) const READY_FIELDS: usize = 5;
 
 fn frame_writer(message_type: MessageType, capacity: usize) -> Writer {
-    let mut w = Writer::with_capacity(capacity);
+    frame_writer_in(Vec::new(), message_type, capacity)
+}
+
+/// A writer that appends the frame to `buf` (normally empty), reusing its
+/// allocation: callers that encode large frames over and over keep one warm
+/// buffer instead of faulting in fresh pages on every frame.
+fn frame_writer_in(buf: Vec<u8>, message_type: MessageType, capacity: usize) -> Writer {
+    let mut w = Writer::from_vec(buf);
+    w.reserve(capacity);
     w.raw(&header(message_type));
     w
 }
@@ -51,12 +59,21 @@ where
     I: IntoIterator<Item = &'a AddRequest>,
     I::IntoIter: ExactSizeIterator + Clone,
 {
+    encode_add_requests_in(Vec::new(), requests)
+}
+
+/// `encode_add_requests`, appending the frame to `buf` (see `frame_writer_in`).
+pub fn encode_add_requests_in<'a, I>(buf: Vec<u8>, requests: I) -> WireResult<Vec<u8>>
+where
+    I: IntoIterator<Item = &'a AddRequest>,
+    I::IntoIter: ExactSizeIterator + Clone,
+{
     let requests = requests.into_iter();
     let capacity: usize = requests
         .clone()
         .map(|r| 96 + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len()))
         .sum();
-    let mut w = frame_writer(MessageType::AddRequests, 8 + capacity);
+    let mut w = frame_writer_in(buf, MessageType::AddRequests, 8 + capacity);
     w.array_len(requests.len(), "AddRequests")?;
     for (i, r) in requests.enumerate() {
         write_add_request(&mut w, r).map_err(|e| e.within(&format!("AddRequests[{i}]")))?;
@@ -183,8 +200,17 @@ pub struct OutputBatchWriter {
 impl OutputBatchWriter {
     /// `num_tokens` (all outputs' new tokens together) sizes the buffer.
     pub fn new(num_outputs: usize, num_tokens: usize) -> WireResult<OutputBatchWriter> {
+        OutputBatchWriter::new_in(Vec::new(), num_outputs, num_tokens)
+    }
+
+    /// Like `new`, appending the frame to `buf` (see `frame_writer_in`).
+    pub fn new_in(
+        buf: Vec<u8>,
+        num_outputs: usize,
+        num_tokens: usize,
+    ) -> WireResult<OutputBatchWriter> {
         let capacity = 64 + 24 * num_outputs + 4 * num_tokens;
-        let mut w = frame_writer(MessageType::OutputBatch, capacity);
+        let mut w = frame_writer_in(buf, MessageType::OutputBatch, capacity);
         w.array_len(OUTPUT_BATCH_FIELDS, "OutputBatch")?;
         w.array_len(num_outputs, "OutputBatch.outputs")?;
         Ok(OutputBatchWriter {

@@ -42,9 +42,9 @@ mod tests;
 
 pub use decode::{decode, decode_with_limit};
 pub use encode::{
-    encode, encode_abort, encode_add_requests, encode_engine_error, encode_output_batch,
-    encode_ready, encode_shutdown, encode_utility_call, encode_utility_result, OutputBatchWriter,
-    RequestOutputRef,
+    encode, encode_abort, encode_add_requests, encode_add_requests_in, encode_engine_error,
+    encode_output_batch, encode_ready, encode_shutdown, encode_utility_call, encode_utility_result,
+    OutputBatchWriter, RequestOutputRef,
 };
 pub use error::{WireError, WireResult};
 pub use frame::{split_frame, DEFAULT_MAX_FRAME_SIZE, HEADER_LEN};

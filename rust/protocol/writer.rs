@@ -9,10 +9,13 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn with_capacity(capacity: usize) -> Writer {
-        Writer {
-            buf: Vec::with_capacity(capacity),
-        }
+    /// Writes after the contents of `buf`, reusing its allocation.
+    pub fn from_vec(buf: Vec<u8>) -> Writer {
+        Writer { buf }
+    }
+
+    pub fn reserve(&mut self, additional: usize) {
+        self.buf.reserve(additional);
     }
 
     pub fn into_bytes(self) -> Vec<u8> {

@@ -19,6 +19,34 @@ use batch::{encode_output_batch, PyOutputBatch};
 use classes::{wire_err, PyAddRequest, PyLogprobs, PyReady, PySchedulerStats};
 use value::{value_from_py, value_to_py};
 
+/// Scratch buffers for the frames of the two hot encoders, one per thread: large
+/// frames are written into warm memory and copied once into the `bytes` result,
+/// instead of faulting in a fresh allocation per frame.
+pub(crate) mod scratch {
+    use std::cell::Cell;
+
+    /// Buffers that grew past this are dropped rather than kept.
+    const MAX_KEPT: usize = 32 << 20;
+
+    thread_local! {
+        static BUFFER: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+    }
+
+    /// An empty buffer with the thread's kept capacity.
+    pub fn take() -> Vec<u8> {
+        let mut buf = BUFFER.with(Cell::take);
+        buf.clear();
+        buf
+    }
+
+    /// Gives a buffer back for the next frame on this thread.
+    pub fn give_back(buf: Vec<u8>) {
+        if buf.capacity() <= MAX_KEPT {
+            BUFFER.with(|b| b.set(buf));
+        }
+    }
+}
+
 fn bytes_result<'py>(
     py: Python<'py>,
     frame: Result<Vec<u8>, WireError>,
@@ -42,8 +70,13 @@ fn encode_add_requests<'py>(
         Ok(())
     })
     .map_err(wire_err)?;
-    let frame = py.detach(|| protocol::encode_add_requests(owned.iter().map(|r| &**r)));
-    bytes_result(py, frame)
+    let buf = scratch::take();
+    let frame = py
+        .detach(|| protocol::encode_add_requests_in(buf, owned.iter().map(|r| &**r)))
+        .map_err(wire_err)?;
+    let bytes = PyBytes::new(py, &frame);
+    scratch::give_back(frame);
+    Ok(bytes)
 }
 
 /// Encodes one new request (a burst of one).
@@ -126,7 +159,7 @@ fn decode_message<'py>(
     let message = if let Ok(bytes) = frame.cast::<PyBytes>() {
         // `bytes` is immutable, so reading it without the GIL is sound.
         let data = bytes.as_bytes();
-        py.detach(|| protocol::decode_with_limit(data, max_frame_size))
+        py.detach(|| protocol::decode_with_limit(data, max_frame_size).map(prepare))
     } else {
         // Other buffers (bytearray, memoryview, zmq frames) may change under us:
         // copy first. The size check comes before the copy.
@@ -144,12 +177,30 @@ fn decode_message<'py>(
             }));
         }
         let data = buffer.to_vec(py)?;
-        py.detach(|| protocol::decode_with_limit(&data, max_frame_size))
+        py.detach(|| protocol::decode_with_limit(&data, max_frame_size).map(prepare))
     }
     .map_err(wire_err)?;
-    let message_type = message.message_type() as u8;
-    let payload = message_to_py(py, message)?;
+    let (message_type, payload) = match message {
+        Decoded::OutputBatch(batch) => (
+            MessageType::OutputBatch as u8,
+            Bound::new(py, batch)?.into_any(),
+        ),
+        Decoded::Other(message) => (message.message_type() as u8, message_to_py(py, message)?),
+    };
     PyTuple::new(py, [message_type.into_pyobject(py)?.into_any(), payload])
+}
+
+/// A decoded message, with an output batch already wrapped (done while detached).
+enum Decoded {
+    OutputBatch(PyOutputBatch),
+    Other(Message),
+}
+
+fn prepare(message: Message) -> Decoded {
+    match message {
+        Message::OutputBatch(batch) => Decoded::OutputBatch(PyOutputBatch::new(batch)),
+        other => Decoded::Other(other),
+    }
 }
 
 fn message_to_py(py: Python<'_>, message: Message) -> PyResult<Bound<'_, PyAny>> {
@@ -178,7 +229,7 @@ fn message_to_py(py: Python<'_>, message: Message) -> PyResult<Bound<'_, PyAny>>
         Message::Ready(ready) => Bound::new(py, PyReady(ready))?.into_any(),
         Message::EngineError { message } => message.into_pyobject(py)?.into_any(),
         Message::Shutdown => py.None().into_bound(py),
-        Message::OutputBatch(batch) => Bound::new(py, PyOutputBatch(batch))?.into_any(),
+        Message::OutputBatch(batch) => Bound::new(py, PyOutputBatch::new(batch))?.into_any(),
     })
 }
 

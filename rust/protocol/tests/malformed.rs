@@ -7,7 +7,7 @@ use super::*;
 type Field = Box<dyn Fn(&mut Writer)>;
 
 fn frame(message_type: MessageType, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
-    let mut w = Writer::with_capacity(64);
+    let mut w = Writer::from_vec(Vec::with_capacity(64));
     w.raw(&[message_type as u8, WIRE_VERSION]);
     body(&mut w);
     w.into_bytes()

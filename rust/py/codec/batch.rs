@@ -223,11 +223,12 @@ fn extract_columns(
 }
 
 fn encode_columns(
+    buf: Vec<u8>,
     c: &Columns,
     stats: &protocol::SchedulerStats,
     timestamp: f64,
 ) -> Result<Vec<u8>, WireError> {
-    let mut w = OutputBatchWriter::new(c.wire_ids.len(), c.token_ids.len())?;
+    let mut w = OutputBatchWriter::new_in(buf, c.wire_ids.len(), c.token_ids.len())?;
     for (i, &wire_id) in c.wire_ids.iter().enumerate() {
         w.push(&RequestOutputRef {
             wire_id,
@@ -272,50 +273,78 @@ pub fn encode_output_batch<'py>(
     )
     .map_err(wire_err)?;
     let stats = stats.get().to_rust();
+    let buf = super::scratch::take();
     let frame = py
-        .detach(|| encode_columns(&columns, &stats, timestamp))
+        .detach(|| encode_columns(buf, &columns, &stats, timestamp))
         .map_err(wire_err)?;
-    Ok(PyBytes::new(py, &frame))
+    let bytes = PyBytes::new(py, &frame);
+    super::scratch::give_back(frame);
+    Ok(bytes)
 }
 
 /// A decoded output batch. Columns are built on access; nothing per token
 /// exists in Python until `new_token_ids(i)` or `all_new_token_ids()` is called.
 #[pyclass(frozen, module = "asyncllm._core", name = "OutputBatch")]
-pub struct PyOutputBatch(pub protocol::OutputBatch);
+pub struct PyOutputBatch {
+    batch: protocol::OutputBatch,
+    /// Each output's logprobs, moved out of `batch` into `Arc`s so that a
+    /// `Logprobs` view shares them instead of copying.
+    logprobs: Vec<Option<Arc<protocol::Logprobs>>>,
+    prompt_logprobs: Vec<Option<Arc<protocol::Logprobs>>>,
+}
 
 impl PyOutputBatch {
-    fn output(&self, i: isize) -> PyResult<&protocol::RequestOutput> {
-        let n = self.0.outputs.len() as isize;
+    /// Wraps a decoded batch (call it without the GIL: it moves every output's
+    /// logprobs).
+    pub fn new(mut batch: protocol::OutputBatch) -> PyOutputBatch {
+        let mut take = |f: fn(&mut protocol::RequestOutput) -> &mut Option<protocol::Logprobs>| {
+            if batch.outputs.iter_mut().all(|o| f(o).is_none()) {
+                return Vec::new();
+            }
+            let outputs = batch.outputs.iter_mut();
+            outputs.map(|o| f(o).take().map(Arc::new)).collect()
+        };
+        let logprobs = take(|o| &mut o.logprobs);
+        let prompt_logprobs = take(|o| &mut o.prompt_logprobs);
+        PyOutputBatch {
+            batch,
+            logprobs,
+            prompt_logprobs,
+        }
+    }
+
+    fn index(&self, i: isize) -> PyResult<usize> {
+        let n = self.batch.outputs.len() as isize;
         let j = if i < 0 { i + n } else { i };
         if j < 0 || j >= n {
             return Err(pyo3::exceptions::PyIndexError::new_err(format!(
                 "output index {i} out of range for a batch of {n}"
             )));
         }
-        Ok(&self.0.outputs[j as usize])
+        Ok(j as usize)
     }
 }
 
 #[pymethods]
 impl PyOutputBatch {
     fn __len__(&self) -> usize {
-        self.0.outputs.len()
+        self.batch.outputs.len()
     }
 
     #[getter]
     fn wire_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.0.outputs.iter().map(|o| o.wire_id))
+        PyList::new(py, self.batch.outputs.iter().map(|o| o.wire_id))
     }
 
     /// The new token ids of output `i`.
     fn new_token_ids<'py>(&self, py: Python<'py>, i: isize) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, &self.output(i)?.new_token_ids)
+        PyList::new(py, &self.batch.outputs[self.index(i)?].new_token_ids)
     }
 
     /// The new token ids of every output, one list each.
     fn all_new_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let lists = self
-            .0
+            .batch
             .outputs
             .iter()
             .map(|o| PyList::new(py, &o.new_token_ids))
@@ -325,7 +354,7 @@ impl PyOutputBatch {
 
     #[getter]
     fn num_new_tokens(&self) -> Vec<usize> {
-        self.0
+        self.batch
             .outputs
             .iter()
             .map(|o| o.new_token_ids.len())
@@ -336,7 +365,7 @@ impl PyOutputBatch {
     fn finish_reasons<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         PyList::new(
             py,
-            self.0
+            self.batch
                 .outputs
                 .iter()
                 .map(|o| o.finish_reason.map(|r| finish_reason_str(py, r).clone())),
@@ -345,18 +374,18 @@ impl PyOutputBatch {
 
     #[getter]
     fn stop_reasons(&self) -> Vec<Option<u32>> {
-        self.0.outputs.iter().map(|o| o.stop_reason).collect()
+        self.batch.outputs.iter().map(|o| o.stop_reason).collect()
     }
 
     #[getter]
     fn errors(&self) -> Vec<Option<String>> {
-        self.0.outputs.iter().map(|o| o.error.clone()).collect()
+        self.batch.outputs.iter().map(|o| o.error.clone()).collect()
     }
 
     /// Indices of the outputs whose request finished in this step.
     #[getter]
     fn finished_indices(&self) -> Vec<usize> {
-        let outputs = self.0.outputs.iter().enumerate();
+        let outputs = self.batch.outputs.iter().enumerate();
         outputs
             .filter(|(_, o)| o.finish_reason.is_some())
             .map(|(i, _)| i)
@@ -364,30 +393,32 @@ impl PyOutputBatch {
     }
 
     fn logprobs(&self, i: isize) -> PyResult<Option<PyLogprobs>> {
-        let lp = self.output(i)?.logprobs.as_ref();
-        Ok(lp.map(|lp| PyLogprobs(Arc::new(lp.clone()))))
+        let i = self.index(i)?;
+        let lp = self.logprobs.get(i).and_then(Option::as_ref);
+        Ok(lp.map(|lp| PyLogprobs(lp.clone())))
     }
 
     fn prompt_logprobs(&self, i: isize) -> PyResult<Option<PyLogprobs>> {
-        let lp = self.output(i)?.prompt_logprobs.as_ref();
-        Ok(lp.map(|lp| PyLogprobs(Arc::new(lp.clone()))))
+        let i = self.index(i)?;
+        let lp = self.prompt_logprobs.get(i).and_then(Option::as_ref);
+        Ok(lp.map(|lp| PyLogprobs(lp.clone())))
     }
 
     #[getter]
     fn stats(&self) -> PySchedulerStats {
-        PySchedulerStats::from_rust(&self.0.stats)
+        PySchedulerStats::from_rust(&self.batch.stats)
     }
 
     #[getter]
     fn timestamp(&self) -> f64 {
-        self.0.timestamp
+        self.batch.timestamp
     }
 
     fn __repr__(&self) -> String {
         format!(
             "OutputBatch(len={}, timestamp={})",
-            self.0.outputs.len(),
-            self.0.timestamp
+            self.batch.outputs.len(),
+            self.batch.timestamp
         )
     }
 }
