@@ -197,11 +197,12 @@ fn extract_columns(
     c.token_offsets.reserve(n + 1);
     c.token_offsets.push(0);
     c.token_ids.reserve(n);
-    extract::for_each(new_token_ids, &tokens_path, |i, ids| {
-        extract::u32s_into(ids, &mut c.token_ids, &|| format!("{}[{i}]", tokens_path()))?;
-        c.token_offsets.push(c.token_ids.len());
-        Ok(())
-    })?;
+    extract::nested_u32s_into(
+        new_token_ids,
+        &mut c.token_ids,
+        &mut c.token_offsets,
+        &tokens_path,
+    )?;
     c.finish_reasons = column(finish_reasons, n, "finish_reasons", |i, item| {
         extract::opt(item, |r| {
             extract::finish_reason(r, || format!("OutputBatch.finish_reasons[{i}]"))

@@ -211,6 +211,74 @@ fn read_list<T>(
     Ok(())
 }
 
+/// Appends every inner sequence of `outer` to `out` and its end offset to `ends`:
+/// the new token ids of a batch. A list of lists of exact ints is read with
+/// borrowed references only (no Python code can run there, so nothing can free
+/// them); anything else goes through `u32s_into` with owned references.
+pub fn nested_u32s_into(
+    outer: &Bound<'_, PyAny>,
+    out: &mut Vec<u32>,
+    ends: &mut Vec<usize>,
+    path: &dyn Fn() -> String,
+) -> Result<(), WireError> {
+    let Some(outer) = exact_list(outer) else {
+        return for_each(outer, path, |i, inner| {
+            u32s_into(inner, out, &|| format!("{}[{i}]", path()))?;
+            ends.push(out.len());
+            Ok(())
+        });
+    };
+    let mut len = outer.len();
+    let mut i = 0;
+    while i < len {
+        // SAFETY: the GIL is held and `i < len`: a live borrowed item.
+        let inner = unsafe { ffi::PyList_GetItem(outer.as_ptr(), i as ffi::Py_ssize_t) };
+        if inner.is_null() {
+            return Err(WireError::encode(
+                path(),
+                "the list changed during encoding",
+            ));
+        }
+        // SAFETY: `inner` is live; reading it runs no Python code.
+        if !unsafe { exact_int_list_into(inner, out) } {
+            // SAFETY: `inner` is live; the owned reference keeps it alive while
+            // `u32s_into` may run Python code.
+            let owned = unsafe { Bound::from_borrowed_ptr(outer.py(), inner) };
+            u32s_into(&owned, out, &|| format!("{}[{i}]", path()))?;
+            len = outer.len();
+        }
+        ends.push(out.len());
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Appends the items of `obj` if it is an exact list of exact ints in 0..2^32
+/// and returns true; otherwise leaves `out` as it was and returns false.
+///
+/// # Safety
+/// `obj` is a live object and the GIL is held.
+unsafe fn exact_int_list_into(obj: *mut ffi::PyObject, out: &mut Vec<u32>) -> bool {
+    if unsafe { ffi::Py_TYPE(obj) } != addr_of_mut!(ffi::PyList_Type) {
+        return false;
+    }
+    let start = out.len();
+    let n = unsafe { ffi::PyList_Size(obj) };
+    out.reserve(n.max(0) as usize);
+    for j in 0..n {
+        // SAFETY: `j < n` and nothing here runs Python code.
+        let item = unsafe { ffi::PyList_GetItem(obj, j) };
+        match unsafe { exact_int_u64(item) }.and_then(|v| u32::try_from(v).ok()) {
+            Some(v) => out.push(v),
+            None => {
+                out.truncate(start);
+                return false;
+            }
+        }
+    }
+    true
+}
+
 /// Appends a sequence of u32 (a list, tuple, buffer of 4- or 8-byte ints, or
 /// any iterable of ints) to `out`.
 pub fn u32s_into(
