@@ -9,6 +9,8 @@ pub enum Error {
     Wire(#[from] crate::protocol::WireError),
     #[error(transparent)]
     Detok(#[from] crate::detok::DetokError),
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -7,6 +7,7 @@
 
 pub mod detok;
 pub mod error;
+pub mod kernels;
 pub mod protocol;
 mod py;
 

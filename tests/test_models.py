@@ -12,7 +12,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from asyncllm.errors import ModelLoadError
-from asyncllm.models import build_attention_metadata, load_hf_config, load_model, native
+from asyncllm.models import attention
+from asyncllm.models.attention import build_attention_metadata
+from asyncllm.models.hf_config import load_hf_config
+from asyncllm.models.loader import load_model
 from tiny_models import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -105,14 +108,14 @@ def _compare_with_transformers(model_dir: Path) -> None:
     assert done == lengths
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "torch-path"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["rust-kernel", "torch-path"])
 def test_llama_untied_matches_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: bool
 ) -> None:
     if kernel:
-        assert native.can_use_kernel(torch.zeros(1), torch.zeros(2, 1, 1, 1, 1)), "no C kernel"
+        assert attention.can_use_native_decode(torch.zeros(1), torch.zeros(2, 1, 1, 1, 1))
     else:  # the path CUDA and non-float32 dtypes take
-        monkeypatch.setattr(native, "can_use_kernel", lambda q, kv_cache: False)
+        monkeypatch.setattr(attention, "can_use_native_decode", lambda q, kv_cache: False)
     _compare_with_transformers(make_tiny_model(tmp_path / "m", "llama", "llama-2"))
 
 

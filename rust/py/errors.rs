@@ -24,6 +24,8 @@ impl From<Error> for PyErr {
         match err {
             Error::Wire(e) => WireError::new_err(e.to_string()),
             Error::Detok(e) => DetokenizerError::new_err(e.to_string()),
+            // Bad kernel arguments are the caller's bug, not a state of the engine.
+            Error::Kernel(e) => PyValueError::new_err(e.to_string()),
         }
     }
 }

@@ -4,6 +4,7 @@
 mod codec;
 mod detok;
 mod errors;
+mod kernels;
 
 use pyo3::prelude::*;
 
@@ -26,5 +27,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     codec::register(m)?;
     detok::register(m)?;
+    kernels::register(m)?;
     Ok(())
 }

@@ -1,0 +1,39 @@
+//! CPU compute kernels for the model runner. Pure Rust: no pyo3, so `cargo test`
+//! checks them without Python; `py::kernels` is their binding.
+//!
+//! Kernels are compiled once, at install time, for the portable baseline, and
+//! carry `#[target_feature]` variants (AVX2 + FMA on x86-64) picked at run time,
+//! so one wheel runs everywhere and still uses the vector units it finds.
+
+mod paged_attention;
+#[cfg(test)]
+mod tests;
+
+pub use paged_attention::{paged_decode_attention, BlockIndex, DecodeShape};
+
+/// An argument a kernel cannot work with. Every check runs before any output is
+/// written, so on error the output buffer is untouched.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{0}")]
+    Shape(String),
+    #[error("sequence {seq}: seq_len {len} is not in 1..={max} (block table row of {blocks} blocks of {block_size})")]
+    SeqLen {
+        seq: usize,
+        len: i64,
+        max: usize,
+        blocks: usize,
+        block_size: usize,
+    },
+    #[error(
+        "sequence {seq}: block id {id} at block table position {pos} is not in 0..{num_blocks}"
+    )]
+    BlockId {
+        seq: usize,
+        pos: usize,
+        id: i64,
+        num_blocks: usize,
+    },
+    #[error("cannot start {0} kernel threads: {1}")]
+    Threads(usize, String),
+}

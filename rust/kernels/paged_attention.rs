@@ -1,0 +1,559 @@
+//! Decode attention read in place from a paged KV cache (f32, CPU).
+//!
+//! Layout (the model runner's, per layer): the cache is
+//! `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 = K, 1 = V);
+//! sequence `b` owns the blocks listed in row `b` of `block_tables`
+//! `[num_seqs, blocks_per_seq]`, token `t` of it sitting in block
+//! `block_tables[b][t / block_size]` at offset `t % block_size`.
+//!
+//! A work item is one sequence and a range of its KV heads (all of them when the
+//! batch alone gives every thread several items, else one): the query heads of a
+//! KV head's group are processed together, so each K and V row is read from
+//! memory once however large the group. Keys are visited one block at a time
+//! with an online softmax (a running max and sum per query head, the output
+//! accumulator rescaled when the max grows), so there is a single pass over K
+//! and V and no score buffer longer than a block; the next block is prefetched
+//! while one is processed. Work items run on a rayon pool of the requested size
+//! (the Python side passes torch's thread count).
+//!
+//! Decode attention is memory-bound (a handful of flops per byte of K/V), so the
+//! code is about reading memory well; the arithmetic only has to vectorise.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rayon::prelude::*;
+
+use super::KernelError;
+
+/// An integer type of block tables and sequence lengths (torch passes int64;
+/// int32 tables are accepted too).
+pub trait BlockIndex: Copy + Send + Sync {
+    fn to_i64(self) -> i64;
+}
+
+impl BlockIndex for i32 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        i64::from(self)
+    }
+}
+
+impl BlockIndex for i64 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self
+    }
+}
+
+/// The sizes of one decode-attention call. Buffers are C-contiguous:
+/// q `[num_seqs, num_heads, head_dim]`, out `[num_seqs, num_heads * head_dim]`,
+/// kv_cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+/// block_tables `[num_seqs, blocks_per_seq]`, seq_lens `[num_seqs]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeShape {
+    pub num_seqs: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub blocks_per_seq: usize,
+}
+
+impl DecodeShape {
+    /// Element counts of (q and out, kv_cache, block_tables), checked for
+    /// overflow and for sizes the kernel cannot split into groups.
+    fn lengths(&self) -> Result<(usize, usize, usize), KernelError> {
+        let s = self;
+        if s.num_heads == 0 || s.num_kv_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
+            return Err(shape_err(format!(
+                "num_heads ({}) must be a positive multiple of num_kv_heads ({})",
+                s.num_heads, s.num_kv_heads
+            )));
+        }
+        if s.head_dim == 0 || s.block_size == 0 {
+            return Err(shape_err("head_dim and block_size must be positive".into()));
+        }
+        let product = |dims: &[usize]| {
+            dims.iter()
+                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| shape_err(format!("buffer of shape {dims:?} overflows usize")))
+        };
+        Ok((
+            product(&[s.num_seqs, s.num_heads, s.head_dim])?,
+            product(&[2, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim])?,
+            product(&[s.num_seqs, s.blocks_per_seq])?,
+        ))
+    }
+}
+
+fn shape_err(msg: String) -> KernelError {
+    KernelError::Shape(msg)
+}
+
+/// Writes `out[b, h*D..(h+1)*D] = softmax(scale * q[b,h] · K_b^T) V_b` for every
+/// sequence `b` and query head `h`, where `K_b`, `V_b` are the first
+/// `seq_lens[b]` tokens of the sequence read through its block table and query
+/// head `h` reads KV head `h / (num_heads / num_kv_heads)`.
+///
+/// Every argument is checked before anything is written: buffer lengths against
+/// `shape`, `1 <= seq_lens[b] <= blocks_per_seq * block_size`, and every block
+/// id the call reads in `0..num_blocks` (entries past a sequence's last block
+/// are never read and may hold anything). `num_threads` (at least 1) is the
+/// number of threads that share the work; pools are kept per size.
+#[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
+pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
+    shape: &DecodeShape,
+    q: &[f32],
+    kv_cache: &[f32],
+    block_tables: &[T],
+    seq_lens: &[L],
+    scale: f32,
+    num_threads: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    run(
+        shape,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        num_threads,
+        out,
+        Isa::detect(),
+    )
+}
+
+/// `paged_decode_attention` with the instruction set chosen by the caller
+/// (tests run every variant the machine supports).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run<T: BlockIndex, L: BlockIndex>(
+    shape: &DecodeShape,
+    q: &[f32],
+    kv_cache: &[f32],
+    block_tables: &[T],
+    seq_lens: &[L],
+    scale: f32,
+    num_threads: usize,
+    out: &mut [f32],
+    isa: Isa,
+) -> Result<(), KernelError> {
+    if num_threads == 0 {
+        return Err(shape_err("num_threads must be at least 1".into()));
+    }
+    let job = Job::new(
+        shape,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        out.len(),
+        num_threads,
+    )?;
+    let heads = job.heads_per_item;
+    let chunk = heads * job.group * shape.head_dim;
+    let num_items = shape.num_seqs * shape.num_kv_heads / heads;
+    if num_threads == 1 || num_items <= 1 {
+        let mut scratch = Scratch::new(heads * job.group, job.group, shape.block_size);
+        for (item, out) in out.chunks_exact_mut(chunk).enumerate() {
+            isa.attend(&job, item, out, &mut scratch);
+        }
+        return Ok(());
+    }
+    pool(num_threads)?.install(|| {
+        out.par_chunks_exact_mut(chunk).enumerate().for_each_init(
+            || Scratch::new(heads * job.group, job.group, shape.block_size),
+            |scratch, (item, out)| isa.attend(&job, item, out, scratch),
+        )
+    });
+    Ok(())
+}
+
+/// KV heads per work item: all of a sequence's (its K/V rows are then read in
+/// address order, which the hardware prefetchers follow) while that still leaves
+/// several items per thread to balance; else one.
+fn heads_per_item(shape: &DecodeShape, num_threads: usize) -> usize {
+    if shape.num_seqs >= 8 * num_threads {
+        shape.num_kv_heads
+    } else {
+        1
+    }
+}
+
+/// A rayon pool of `num_threads` threads, built on first use and kept.
+fn pool(num_threads: usize) -> Result<Arc<rayon::ThreadPool>, KernelError> {
+    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
+    // The list is only ever pushed to whole, so a panic elsewhere cannot leave it
+    // inconsistent: a poisoned lock is safe to use.
+    let mut pools = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, pool)) = pools.iter().find(|(n, _)| *n == num_threads) {
+        return Ok(Arc::clone(pool));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(num_threads)
+        .thread_name(|i| format!("asyncllm-attn-{i}"))
+        .build()
+        .map_err(|e| KernelError::Threads(num_threads, e.to_string()))?;
+    let pool = Arc::new(pool);
+    pools.push((num_threads, Arc::clone(&pool)));
+    Ok(pool)
+}
+
+/// The validated operands of one call, shared by every work item.
+struct Job<'a, T> {
+    shape: DecodeShape,
+    group: usize,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    block_tables: &'a [T],
+    seq_lens: Vec<usize>,
+    scale: f32,
+    /// Elements between consecutive tokens of a block (num_kv_heads * head_dim).
+    token_stride: usize,
+    /// Elements between consecutive blocks (block_size * token_stride).
+    block_stride: usize,
+    /// KV heads per work item (a divisor of num_kv_heads).
+    heads_per_item: usize,
+}
+
+impl<'a, T: BlockIndex> Job<'a, T> {
+    #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
+    fn new<L: BlockIndex>(
+        shape: &DecodeShape,
+        q: &'a [f32],
+        kv_cache: &'a [f32],
+        block_tables: &'a [T],
+        seq_lens: &[L],
+        scale: f32,
+        out_len: usize,
+        num_threads: usize,
+    ) -> Result<Self, KernelError> {
+        let (q_len, cache_len, table_len) = shape.lengths()?;
+        for (name, got, want) in [
+            ("q", q.len(), q_len),
+            ("out", out_len, q_len),
+            ("kv_cache", kv_cache.len(), cache_len),
+            ("block_tables", block_tables.len(), table_len),
+            ("seq_lens", seq_lens.len(), shape.num_seqs),
+        ] {
+            if got != want {
+                return Err(shape_err(format!(
+                    "{name} has {got} elements, expected {want} for {shape:?}"
+                )));
+            }
+        }
+        let bs = shape.block_size;
+        let capacity = shape.blocks_per_seq.saturating_mul(bs);
+        let mut lens = Vec::with_capacity(shape.num_seqs);
+        for (seq, len) in seq_lens.iter().enumerate() {
+            let len = len.to_i64();
+            let err = || KernelError::SeqLen {
+                seq,
+                len,
+                max: capacity,
+                blocks: shape.blocks_per_seq,
+                block_size: bs,
+            };
+            let len = usize::try_from(len).map_err(|_| err())?;
+            if len == 0 || len > capacity {
+                return Err(err());
+            }
+            let row = &block_tables[seq * shape.blocks_per_seq..][..len.div_ceil(bs)];
+            for (pos, id) in row.iter().enumerate() {
+                let id = id.to_i64();
+                if !(0..shape.num_blocks as i64).contains(&id) {
+                    let num_blocks = shape.num_blocks;
+                    return Err(KernelError::BlockId {
+                        seq,
+                        pos,
+                        id,
+                        num_blocks,
+                    });
+                }
+            }
+            lens.push(len);
+        }
+        let (k, v) = kv_cache.split_at(cache_len / 2);
+        let token_stride = shape.num_kv_heads * shape.head_dim;
+        Ok(Job {
+            shape: *shape,
+            group: shape.num_heads / shape.num_kv_heads,
+            q,
+            k,
+            v,
+            block_tables,
+            seq_lens: lens,
+            scale,
+            token_stride,
+            block_stride: bs * token_stride,
+            heads_per_item: heads_per_item(shape, num_threads),
+        })
+    }
+}
+
+/// Per-thread buffers of a work item: a block's scores for one group, and the
+/// running max and sum of each of the item's query heads.
+struct Scratch {
+    scores: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(query_heads: usize, group: usize, block_size: usize) -> Self {
+        Scratch {
+            scores: vec![0.0; group * block_size],
+            max: vec![0.0; query_heads],
+            sum: vec![0.0; query_heads],
+        }
+    }
+}
+
+/// The instruction sets the kernel is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+}
+
+impl Isa {
+    /// The best variant this CPU runs (the detection is cached by std).
+    pub(super) fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Isa::Avx2Fma;
+        }
+        Isa::Portable
+    }
+
+    #[inline]
+    fn attend<T: BlockIndex>(
+        self,
+        job: &Job<'_, T>,
+        item: usize,
+        out: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        match self {
+            Isa::Portable => attend::<false, T>(job, item, out, s),
+            // SAFETY: `Avx2Fma` is only constructed where the CPU has AVX2 and FMA
+            // (`detect`, or tests that check the same).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => unsafe { attend_avx2_fma(job, item, out, s) },
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_avx2_fma<T: BlockIndex>(job: &Job<'_, T>, item: usize, out: &mut [f32], s: &mut Scratch) {
+    attend::<true, T>(job, item, out, s)
+}
+
+/// One work item: the KV heads `heads_per_item * i .. heads_per_item * (i + 1)`
+/// of one sequence and their query heads; `out` is those query heads' outputs.
+/// Blocks are the outer loop, so a block's rows for all the item's heads are
+/// read together (contiguous when the item has every KV head). `AVX2` is true
+/// when compiled inside `attend_avx2_fma`: it selects fused multiply-adds
+/// (elsewhere `mul_add` is a slow library call) and the AVX2 lane sum.
+#[inline(always)]
+fn attend<const AVX2: bool, T: BlockIndex>(
+    job: &Job<'_, T>,
+    item: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    let sh = &job.shape;
+    let (d, group, bs, heads) = (sh.head_dim, job.group, sh.block_size, job.heads_per_item);
+    let items_per_seq = sh.num_kv_heads / heads;
+    let (seq, first_head) = (item / items_per_seq, item % items_per_seq * heads);
+    let len = job.seq_lens[seq];
+    let q = &job.q[(seq * sh.num_heads + first_head * group) * d..][..heads * group * d];
+    let table = &job.block_tables[seq * sh.blocks_per_seq..][..len.div_ceil(bs)];
+    let (ts, row) = (job.token_stride, heads * d);
+    out.fill(0.0);
+    s.max.fill(f32::NEG_INFINITY);
+    s.sum.fill(0.0);
+    // In range: `Job::new` checked every block id this call reads.
+    let base_of = |block: &T| block.to_i64() as usize * job.block_stride + first_head * d;
+    for (j, block) in table.iter().enumerate() {
+        let n = bs.min(len - j * bs);
+        let base = base_of(block);
+        if let Some(next) = table.get(j + 1) {
+            let next = base_of(next);
+            for t in 0..bs.min(len - (j + 1) * bs) {
+                prefetch(&job.k[next + t * ts..][..row]);
+                prefetch(&job.v[next + t * ts..][..row]);
+            }
+        }
+        for h in 0..heads {
+            let q = &q[h * group * d..][..group * d];
+            let out = &mut out[h * group * d..][..group * d];
+            let (max, sum) = (&mut s.max[h * group..], &mut s.sum[h * group..]);
+            for t in 0..n {
+                let key = &job.k[base + t * ts + h * d..][..d];
+                for (g, qg) in q.chunks_exact(d).enumerate() {
+                    s.scores[g * bs + t] = dot::<AVX2>(qg, key) * job.scale;
+                }
+            }
+            for (g, out) in out.chunks_exact_mut(d).enumerate() {
+                let row = &mut s.scores[g * bs..][..n];
+                let block_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                if block_max > max[g] {
+                    if max[g] != f32::NEG_INFINITY {
+                        let c = (max[g] - block_max).exp();
+                        sum[g] *= c;
+                        scale_in_place(out, c);
+                    }
+                    max[g] = block_max;
+                }
+                sum[g] += exp_shifted_sum::<AVX2>(row, max[g]);
+            }
+            for t in 0..n {
+                let value = &job.v[base + t * ts + h * d..][..d];
+                for (g, out) in out.chunks_exact_mut(d).enumerate() {
+                    axpy::<AVX2>(s.scores[g * bs + t], value, out);
+                }
+            }
+        }
+    }
+    for (out, sum) in out.chunks_exact_mut(d).zip(&s.sum) {
+        scale_in_place(out, 1.0 / sum);
+    }
+}
+
+#[inline(always)]
+fn madd<const AVX2: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if AVX2 {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// Dot product in 16 lanes: float addition is not associative, so the compiler
+/// vectorises a reduction only when it is written with explicit lanes.
+#[inline(always)]
+fn dot<const AVX2: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, ra) = a.as_chunks::<16>();
+    let (cb, rb) = b.as_chunks::<16>();
+    let mut tail = 0.0;
+    for (x, y) in ra.iter().zip(rb) {
+        tail = madd::<AVX2>(*x, *y, tail);
+    }
+    let mut acc = [0.0f32; 16];
+    for (x, y) in ca.iter().zip(cb) {
+        for i in 0..16 {
+            acc[i] = madd::<AVX2>(x[i], y[i], acc[i]);
+        }
+    }
+    sum_lanes::<AVX2>(&acc) + tail
+}
+
+/// The sum of 16 lanes. Written in plain Rust, every way of summing them either
+/// is a serial chain of 16 adds or leads LLVM's SLP vectoriser to split the
+/// whole dot product into 2-float vectors; so the AVX2 variant says it with
+/// intrinsics (a 4-step tree), and the portable one takes the chain.
+#[inline(always)]
+fn sum_lanes<const AVX2: bool>(acc: &[f32; 16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        use std::arch::x86_64::*;
+        // SAFETY: `AVX2` is true only in code compiled inside `attend_avx2_fma`,
+        // which runs only on CPUs with AVX2 (so AVX and SSE3); loads are in bounds.
+        unsafe {
+            let p = acc.as_ptr();
+            let v = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+            let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+            return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+        }
+    }
+    acc.iter().sum()
+}
+
+/// Asks for `row` to be brought into L2 ahead of use: block ids are random, so
+/// the hardware prefetchers cannot guess where the next block is. (Into L2, not
+/// L1: measured 2x faster on a 39 MB working set, as L1 prefetches stall once the
+/// L1 miss buffers fill.)
+#[inline(always)]
+fn prefetch(row: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in row.chunks(16) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        // SAFETY: a prefetch is a hint; it never faults, and the address is in bounds.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+    }
+}
+
+/// `out += a * x`.
+#[inline(always)]
+fn axpy<const AVX2: bool>(a: f32, x: &[f32], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(x) {
+        *o = madd::<AVX2>(a, *x, *o);
+    }
+}
+
+#[inline(always)]
+fn scale_in_place(out: &mut [f32], c: f32) {
+    for o in out {
+        *o *= c;
+    }
+}
+
+/// Replaces each score `x` by `exp(x - max)` and returns their sum, 8 lanes at a
+/// time (see `dot` for why the sum is split).
+#[inline(always)]
+fn exp_shifted_sum<const AVX2: bool>(row: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let mut chunks = row.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        for i in 0..8 {
+            let e = exp_nonpositive::<AVX2>(chunk[i] - max);
+            chunk[i] = e;
+            lanes[i] += e;
+        }
+    }
+    let mut total = 0.0;
+    for x in chunks.into_remainder() {
+        *x = exp_nonpositive::<AVX2>(*x - max);
+        total += *x;
+    }
+    total + lanes.iter().sum::<f32>()
+}
+
+/// `exp(x)` for `x <= 0`, within 2e-7 relative error, branch-free so loops over
+/// it vectorise (libm's `expf` is a scalar call). Inputs below -87 (where the
+/// result leaves the normal range) give about 1.6e-38 instead of a smaller
+/// number: nothing next to the block's max term of 1.
+#[inline(always)]
+fn exp_nonpositive<const AVX2: bool>(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.0);
+    // x = n ln2 + r, |r| <= ln2 / 2; exp(x) = 2^n exp(r).
+    let shifted = madd::<AVX2>(x, std::f32::consts::LOG2_E, ROUND);
+    let n = shifted - ROUND;
+    let r = madd::<AVX2>(-n, LN2_LO, madd::<AVX2>(-n, LN2_HI, x));
+    // Taylor terms to r^6: the truncation error is below |r|^7 / 7! < 1.3e-7.
+    let mut p = 1.0 / 720.0;
+    p = madd::<AVX2>(p, r, 1.0 / 120.0);
+    p = madd::<AVX2>(p, r, 1.0 / 24.0);
+    p = madd::<AVX2>(p, r, 1.0 / 6.0);
+    p = madd::<AVX2>(p, r, 0.5);
+    p = madd::<AVX2>(p, r, 1.0);
+    p = madd::<AVX2>(p, r, 1.0);
+    // The low bits of `shifted` hold n + 2^22; n is in -126..=0.
+    let n = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
+    p * f32::from_bits(((n + 127) as u32) << 23)
+}
+
+#[cfg(test)]
+pub(super) fn exp_for_tests(x: f32) -> (f32, f32) {
+    (exp_nonpositive::<false>(x), exp_nonpositive::<true>(x))
+}
