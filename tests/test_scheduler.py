@@ -38,7 +38,7 @@ def run_step(sched, token=7):
         for rid, n in so.num_scheduled_tokens.items()
         if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens
     }
-    return so, sched.update_from_output(so, sampled)
+    return so, sched.update_from_output(so, sampled)[0]
 
 
 def assert_pool_full(sched):
@@ -78,7 +78,7 @@ def test_finish_by_length_and_stop_token_frees_blocks():
     sched.add_request(make_request("eos", [4] * 6, max_tokens=10))
     run_step(sched, token=9)
     so = sched.schedule()
-    stepped = sched.update_from_output(so, {"len": 9, "eos": 0})
+    stepped, _ = sched.update_from_output(so, {"len": 9, "eos": 0})
     by_id = {r.request_id: r for r in stepped}
     assert by_id["eos"].status == RequestStatus.FINISHED_STOPPED
     assert by_id["eos"].stop_reason == 0

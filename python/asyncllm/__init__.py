@@ -6,6 +6,7 @@ from asyncllm.errors import (
     AsyncLLMError,
     ConfigError,
     EngineDeadError,
+    EngineStartupError,
     InvalidRequestError,
     ModelLoadError,
 )
@@ -28,16 +29,22 @@ def __getattr__(name: str) -> object:
         from asyncllm.frontend.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from asyncllm.frontend.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
 
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "AsyncLLMError",
     "CompletionOutput",
     "ConfigError",
     "EngineArgs",
     "EngineDeadError",
+    "EngineStartupError",
     "InvalidRequestError",
     "Logprob",
     "ModelLoadError",

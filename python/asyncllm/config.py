@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("torch", "null")
 _MAX_BLOCK_SIZE = 256
 _DEFAULT_CPU_KV_GIB = 1.0
 _DEFAULT_CUDA_KV_FRACTION = 0.8
@@ -52,6 +53,10 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # "torch" runs the model; "null" samples without one, for measuring the engine
+    # around the model (see asyncllm.engine.null_runner).
+    executor: str = "torch"
+    null_step_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -88,6 +93,26 @@ class EngineArgs:
         if not isinstance(self.enable_prefix_caching, bool):
             raise _fail("enable_prefix_caching", self.enable_prefix_caching, "a bool")
         _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.executor not in EXECUTORS:
+            raise _fail("executor", self.executor, f"one of {', '.join(EXECUTORS)}")
+        if not (
+            isinstance(self.null_step_delay_ms, int | float)
+            and not isinstance(self.null_step_delay_ms, bool)
+            and 0 <= self.null_step_delay_ms <= 60_000
+        ):
+            raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
+
+    def to_json(self) -> str:
+        """The arguments as JSON: how they reach the engine-core process (no pickle)."""
+        import json
+
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineArgs:
+        import json
+
+        return cls.from_kwargs(**json.loads(text))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -102,9 +127,9 @@ class EngineArgs:
         return cls(**kwargs)
 
     def resolve(self, hf_config: Any) -> EngineConfig:
-        """Resolve model-dependent values against the model's Hugging Face config."""
-        import torch
-
+        """Resolve model-dependent values against the model's Hugging Face config.
+        torch is imported only to look for CUDA, and not at all for the null
+        executor, which runs no model (so its engine core starts fast)."""
         model_max = _model_context_len(hf_config)
         max_model_len = self.max_model_len or model_max
         if max_model_len is None:
@@ -113,11 +138,18 @@ class EngineArgs:
             )
         if model_max is not None and max_model_len > model_max:
             raise _fail("max_model_len", self.max_model_len, f"<= the model's context {model_max}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise _fail("device", self.device, "'cpu' or 'auto': CUDA is not available here")
         device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.executor == "null":
+            device = "cpu"
+        elif device != "cpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                if device == "cuda":
+                    raise _fail("device", self.device, "'cpu' or 'auto': CUDA is not available")
+                device = "cpu"
+            else:
+                device = "cuda"
         dtype_name = self.dtype
         if dtype_name == "auto":
             dtype_name = _config_dtype(hf_config)
@@ -131,8 +163,8 @@ class EngineArgs:
         return EngineConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
-            dtype=getattr(torch, dtype_name),
-            device=torch.device(device),
+            dtype=dtype_name,
+            device=device,
             block_size=self.block_size,
             kv_cache_memory_gib=kv_gib,
             num_kv_blocks=self.num_kv_blocks,
@@ -142,6 +174,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             cuda_kv_fraction=_DEFAULT_CUDA_KV_FRACTION,
+            executor=self.executor,
+            null_step_delay_ms=float(self.null_step_delay_ms),
         )
 
 
@@ -151,8 +185,8 @@ class EngineConfig:
 
     model: str
     tokenizer: str
-    dtype: torch.dtype
-    device: torch.device
+    dtype: str  # float32, bfloat16 or float16
+    device: str  # cpu or cuda
     block_size: int
     kv_cache_memory_gib: float | None
     num_kv_blocks: int | None
@@ -162,6 +196,20 @@ class EngineConfig:
     enable_prefix_caching: bool
     seed: int
     cuda_kv_fraction: float
+    executor: str
+    null_step_delay_ms: float
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    @property
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device)
 
 
 def _model_context_len(hf_config: Any) -> int | None:

@@ -28,3 +28,7 @@ class InvalidRequestError(AsyncLLMError, ValueError):
 
 class EngineDeadError(AsyncLLMError, RuntimeError):
     """The engine core has died; every waiting and every new request fails with this."""
+
+
+class EngineStartupError(AsyncLLMError, RuntimeError):
+    """The engine core could not start; the message carries its root cause."""

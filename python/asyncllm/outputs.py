@@ -40,5 +40,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
-    num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)

@@ -12,21 +12,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from asyncllm._core import SchedulerStats
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class Scheduler:
@@ -160,11 +150,11 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[int, int]
-    ) -> list[Request]:
+    ) -> tuple[list[Request], bool]:
         """Advance every scheduled request by its computed tokens, append the
         sampled token of those that were sampled, and finish the ones that must
         stop. Returns the requests that produced a token this step (finished or
-        not), in batch order."""
+        not), in batch order, and whether any of them finished."""
         kv = self.kv_cache
         requests = self.requests
         stepped: list[Request] = []
@@ -187,7 +177,7 @@ class Scheduler:
                 if request.is_finished:
                     self.running.remove(request)
                     self._free(request)
-        return stepped
+        return stepped, finished
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
-from asyncllm.core.scheduler import Scheduler, SchedulerStats
-from asyncllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from asyncllm.core.scheduler import Scheduler
+from asyncllm.engine.messages import EngineCoreRequest, SchedulerStats, StepOutputs
+from asyncllm.engine.null_runner import NullModelRunner
 from asyncllm.errors import InvalidRequestError
-from asyncllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from asyncllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +30,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig, hf_config: Any, eos_token_ids: Iterable[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.runner = ModelRunner(config, hf_config)
+        # (start, schedule s, execute s, update s, outputs) of recent steps, for the
+        # gap benchmark and `get_step_timings`; a bounded ring costs one append.
+        self.step_timings: deque[tuple[float, float, float, float, int]] = deque(maxlen=20000)
+        self.runner: ModelRunner | NullModelRunner
+        if config.executor == "null":
+            self.runner = NullModelRunner(config, hf_config)
+        else:
+            from asyncllm.worker.model_runner import ModelRunner  # the torch model stack
+
+            self.runner = ModelRunner(config, hf_config)
         self.vocab_size = self.runner.vocab_size
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_cache = KVCacheManager(
@@ -90,39 +104,55 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: Iterable[int]) -> list[EngineCoreOutput]:
+    def abort_requests(self, request_ids: Iterable[int]) -> StepOutputs:
         """Finish the requests now and free their blocks; returns their final outputs."""
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in done]
+        return self.final_outputs([r.request_id for r in done], "abort")
+
+    def final_outputs(
+        self, req_ids: list[int], reason: str, errors: list[str | None] | None = None
+    ) -> StepOutputs:
+        """Outputs that end requests outside a step (aborted, or failed alone)."""
+        return StepOutputs(
+            req_ids,
+            [[] for _ in req_ids],
+            self.scheduler.make_stats(),
+            time.time(),
+            finish_reasons=[reason] * len(req_ids),
+            errors=errors,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # -- the step -------------------------------------------------------------
 
-    def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, and turn the sampled tokens into outputs."""
+    def step(self) -> StepOutputs:
+        """Schedule, run the model, and turn the sampled tokens into outputs: one
+        entry per request that produced a token."""
         scheduler = self.scheduler
+        t0 = perf_counter()
         so = scheduler.schedule()
+        t1 = perf_counter()
         runner_out = self.runner.execute_model(so)
-        stepped = scheduler.update_from_output(so, runner_out.sampled)
-        logprobs = runner_out.logprobs
-        prompt_logprobs = runner_out.prompt_logprobs
-        outputs = []
-        for request in stepped:
-            rid = request.request_id
-            outputs.append(
-                EngineCoreOutput(
-                    rid,
-                    [request.all_token_ids[-1]],
-                    request.finish_reason,
-                    request.stop_reason,
-                    logprobs.get(rid) if logprobs else None,
-                    prompt_logprobs.get(rid) if prompt_logprobs else None,
-                    request.num_cached_prompt_tokens,
-                )
-            )
-        return EngineCoreOutputs(outputs, scheduler.make_stats(), time.monotonic())
+        t2 = perf_counter()
+        stepped, any_finished = scheduler.update_from_output(so, runner_out.sampled)
+        req_ids = [r.request_id for r in stepped]
+        out = StepOutputs(
+            req_ids,
+            [[r.all_token_ids[-1]] for r in stepped],
+            scheduler.make_stats(),
+            time.time(),
+        )
+        if any_finished:
+            out.finish_reasons = [r.finish_reason for r in stepped]
+            out.stop_reasons = [r.stop_reason for r in stepped]
+        if runner_out.logprobs:
+            out.logprobs = [runner_out.logprobs.get(rid) for rid in req_ids]
+        if runner_out.prompt_logprobs:
+            out.prompt_logprobs = [runner_out.prompt_logprobs.get(rid) for rid in req_ids]
+        self.step_timings.append((t0, t1 - t0, t2 - t1, perf_counter() - t2, len(req_ids)))
+        return out
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

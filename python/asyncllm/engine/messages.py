@@ -1,24 +1,20 @@
-"""What crosses between the front end and the engine core (in process for now;
-the wire codec carries the same fields)."""
+"""What crosses between the front end and the engine core.
+
+Requests travel as `EngineCoreRequest`s (on the wire: `_core.AddRequest`); a step's
+outputs leave the core as `StepOutputs` columns, which the Rust codec encodes as
+one frame. The front end only ever reads the decoded `_core.OutputBatch`, in
+process or across the process boundary, so both paths share one output code path.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from asyncllm.core.scheduler import SchedulerStats
+from asyncllm._core import Logprobs, SchedulerStats, encode_output_batch
 from asyncllm.sampling_params import SamplingParams
 
-
-@dataclass(slots=True)
-class Logprobs:
-    """Logprobs of K positions: `token_ids[k][0]` is the sampled (or actual) token,
-    followed by the top-N; `logprobs` likewise; `ranks[k]` is the sampled token's
-    rank in the model's distribution (1 = most likely)."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
+__all__ = ["EngineCoreRequest", "Logprobs", "SchedulerStats", "StepOutputs"]
 
 
 @dataclass(slots=True)
@@ -26,30 +22,34 @@ class EngineCoreRequest:
     request_id: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.time)
     priority: int = 0
 
 
 @dataclass(slots=True)
-class EngineCoreOutput:
-    """One request's progress in one step."""
+class StepOutputs:
+    """One step's outputs as columns: entry i of each belongs to `req_ids[i]`. An
+    optional column is None when no request has a value in it."""
 
-    request_id: int
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    stop_reason: int | None = None  # the stop token id, when a stop token ended it
-    logprobs: Logprobs | None = None
-    prompt_logprobs: Logprobs | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
+    req_ids: list[int]
+    new_token_ids: list[list[int]]
+    stats: SchedulerStats
+    timestamp: float
+    finish_reasons: list[str | None] | None = None  # "stop", "length", "abort", "error"
+    stop_reasons: list[int | None] | None = None  # the stop token that ended a request
+    errors: list[str | None] | None = None  # why a request failed on its own
+    logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats | None = None
-    timestamp: float = 0.0
+    def encode(self) -> bytes:
+        return encode_output_batch(
+            self.req_ids,
+            self.new_token_ids,
+            self.stats,
+            self.timestamp,
+            finish_reasons=self.finish_reasons,  # type: ignore[arg-type]
+            stop_reasons=self.stop_reasons,
+            errors=self.errors,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )

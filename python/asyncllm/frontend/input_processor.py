@@ -45,6 +45,15 @@ class InputProcessor:
         self.check_length(ids)
         return text, ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary."""
+        for t in params.stop_token_ids or ():
+            if t >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"SamplingParams.stop_token_ids contains {t}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+
     def check_length(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty")

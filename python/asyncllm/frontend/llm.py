@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from asyncllm import envs
 from asyncllm.config import EngineArgs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.input_processor import PromptType
@@ -21,11 +23,28 @@ class LLM:
     """Offline generation: `LLM(model=path).generate(prompts, SamplingParams(...))`.
 
     Keyword arguments are `EngineArgs` fields; unknown ones are rejected by name.
+    The engine core runs in its own process (a fresh interpreter, so scripts need
+    no `__main__` guard); `multiprocess=False` (or ASYNCLLM_MULTIPROCESS=0) keeps
+    it in this process for debugging. `shutdown()` (or leaving a `with` block, or
+    garbage collection, or interpreter exit) stops it.
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.engine = LLMEngine(self.engine_args)
+        if multiprocess is None:
+            multiprocess = envs.multiprocess()
+        self.engine = LLMEngine(self.engine_args, multiprocess=multiprocess)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine core and release its resources. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

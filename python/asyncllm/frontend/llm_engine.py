@@ -1,34 +1,47 @@
-"""The in-process engine: front-end processing around an `EngineCore` in the
-caller's process. `LLM` drives it; the multiprocess client will replace the
-direct core calls with messages to the core's process."""
+"""The synchronous engine behind `LLM`: front-end processing around an engine core
+that runs in its own process (the default) or, for debugging, directly in the
+caller's process (`multiprocess=False`), stepped by the caller."""
 
 from __future__ import annotations
 
 import itertools
+import queue
 from collections.abc import Iterable
 
+from asyncllm import _core
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.messages import EngineCoreRequest
-from asyncllm.errors import InvalidRequestError
+from asyncllm.engine.wire import to_wire
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.frontend.core_client import MPClient
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_processor import OutputProcessor, ParentState
-from asyncllm.frontend.tokenizer import Tokenizer, resolve_eos_token_ids
-from asyncllm.models.hf_config import load_hf_config
+from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
+_DEAD_POLL_S = 1.0
+
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        hf_config = load_hf_config(args.model)
-        self.config = args.resolve(hf_config)
-        self.tokenizer = Tokenizer(self.config.tokenizer)
-        eos = resolve_eos_token_ids(self.config.model, hf_config, self.tokenizer)
-        self.core = EngineCore(self.config, hf_config, eos)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.config.max_model_len, self.core.vocab_size
-        )
+    def __init__(self, args: EngineArgs, multiprocess: bool = True) -> None:
+        self.args = args
+        self.tokenizer = Tokenizer(args.tokenizer or args.model)
+        self.client: MPClient | None = None
+        self.core: EngineCore | None = None
+        if multiprocess:
+            self._batches: queue.Queue[_core.OutputBatch | EngineDeadError] = queue.Queue()
+            self.client = MPClient(args, self._batches.put, self._batches.put)
+            ready = self.client.ready
+            self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        else:
+            from asyncllm.engine.core_proc import _build_core
+
+            self.core = _build_core(args)
+            self.max_model_len = self.core.config.max_model_len
+            self.vocab_size = self.core.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._parents: dict[str, ParentState] = {}
         self._counter = itertools.count()
@@ -43,39 +56,81 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.input_processor.process(prompt)
+        self.input_processor.check_params(params)
         children = fan_out(params)
         core_ids = [next(self._wire_ids) for _ in children]
-        core_reqs = [
+        reqs = [
             EngineCoreRequest(cid, prompt_ids, p) for cid, p in zip(core_ids, children, strict=True)
         ]
-        requests = [self.core.make_request(r) for r in core_reqs]  # validate all first
+        if self.core is not None:
+            requests = [self.core.make_request(r) for r in reqs]  # validate all first
         parent = ParentState(request_id, text, prompt_ids, params)
         self.output_processor.add_request(parent, core_ids)
         self._parents[request_id] = parent
-        for request in requests:
-            self.core.add_request(request)
+        if self.client is not None:
+            self.client.add_requests([to_wire(r, self.max_model_len) for r in reqs])
+        else:
+            assert self.core is not None
+            for request in requests:
+                self.core.add_request(request)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort requests; returns their final outputs (finish_reason "abort")."""
         core_ids: list[int] = []
         for rid in request_ids:
             parent = self._parents.get(rid)
             if parent is not None:
                 core_ids.extend(c.core_id for c in parent.children if c.finish_reason is None)
-        outputs, _ = self.output_processor.process_outputs(self.core.abort_requests(core_ids))
-        return self._finish(outputs)
+        self._abort_in_core(core_ids)
+        return self._finish(self.output_processor.abort(core_ids))
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        """Run (or wait for) one engine step and return the outputs due."""
+        if self.core is not None:
+            frame = self.core.step().encode()
+            batch = _core.decode_message(frame)[1]
+        else:
+            batch = self._next_batch()
+        outputs, stopped = self.output_processor.process_outputs(batch)
         if stopped:  # a stop string ended these: the core stops computing them now
-            self.core.abort_requests(stopped)
+            self._abort_in_core(stopped)
         return self._finish(outputs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.output_processor.has_unfinished()
 
     def next_request_id(self) -> str:
         return str(next(self._counter))
+
+    def call_utility(self, method: str, args: object = None, timeout: float = 30.0) -> object:
+        if self.client is None:
+            raise RuntimeError("utility calls need the multiprocess engine")
+        return self.client.call_utility(method, args).result(timeout)
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+
+    def _next_batch(self) -> _core.OutputBatch:
+        assert self.client is not None
+        while True:
+            try:
+                item = self._batches.get(timeout=_DEAD_POLL_S)
+            except queue.Empty:
+                if self.client.dead is not None:
+                    raise self.client.dead from None
+                continue
+            if isinstance(item, EngineDeadError):
+                raise item
+            return item
+
+    def _abort_in_core(self, core_ids: list[int]) -> None:
+        if not core_ids:
+            return
+        if self.core is not None:
+            self.core.abort_requests(core_ids)
+        elif self.client is not None:
+            self.client.abort_requests(core_ids)
 
     def _finish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:

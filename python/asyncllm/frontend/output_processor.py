@@ -9,10 +9,10 @@ hot path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from asyncllm._core import Detokenizer
-from asyncllm.engine.messages import EngineCoreOutput, Logprobs
+from asyncllm._core import Detokenizer, Logprobs, OutputBatch
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -28,7 +28,7 @@ class ParentState:
     params: SamplingParams
     children: list[ChildState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    num_cached_tokens: int = 0
+    error: str | None = None  # set when the core rejected a child
 
     @property
     def finished(self) -> bool:
@@ -55,6 +55,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer.path)
         self.children: dict[int, ChildState] = {}
+        self._num_with_logprobs = 0  # live children asking for (prompt) logprobs
 
     def add_request(self, parent: ParentState, core_ids: list[int]) -> None:
         params = parent.params
@@ -64,6 +65,8 @@ class OutputProcessor:
             if wants_logprobs:
                 child.logprobs = []
                 child.cumulative_logprob = 0.0
+            if wants_logprobs or params.prompt_logprobs is not None:
+                self._num_with_logprobs += 1
             self.detokenizer.add_request(
                 core_id,
                 parent.prompt_token_ids,
@@ -79,49 +82,90 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.children)
 
-    def process_outputs(
-        self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[int]]:
+    def process_outputs(self, batch: OutputBatch) -> tuple[list[RequestOutput], list[int]]:
         """Absorb one step's outputs. Returns the RequestOutputs due now and the core
         ids of requests a stop string just finished, which the core must abort."""
         children = self.children
-        live = [(children[o.request_id], o) for o in outputs if o.request_id in children]
-        if not live:
+        wire_ids = batch.wire_ids
+        if not wire_ids:
             return [], []
-        detok_results = self.detokenizer.step(
-            [c.core_id for c, _ in live],
-            [o.new_token_ids for _, o in live],
-            [o.finish_reason is not None for _, o in live],
+        new_tokens = batch.all_new_token_ids()
+        finished_idx = batch.finished_indices
+        finished_ids = {wire_ids[i] for i in finished_idx} if finished_idx else set()
+        finish_reasons = batch.finish_reasons if finished_idx else None
+        idx: Sequence[int] = range(len(wire_ids))
+        if not all(w in children for w in wire_ids):  # some ended in the front end already
+            idx = [i for i, w in enumerate(wire_ids) if w in children]
+            if not idx:
+                return [], []
+            wire_ids = [wire_ids[i] for i in idx]
+            new_tokens = [new_tokens[i] for i in idx]
+        result = self.detokenizer.step(
+            wire_ids, new_tokens, [w for w in wire_ids if w in finished_ids]
         )
+        texts = result.texts
+        stops = {pos: (stop, kept) for pos, stop, kept in result.stops} if result.stops else {}
+        has_logprobs = self._num_with_logprobs > 0
+        stop_reasons: list[int | None] | None = None
+        errors: list[str | None] = []
         due: dict[str, ParentState] = {}
         stopped: list[int] = []
-        for (child, out), (text, stop_index, num_kept, _) in zip(live, detok_results, strict=True):
+        for j, i in enumerate(idx):
+            wire_id = wire_ids[j]
+            child = children[wire_id]
             parent = child.parent
-            new_ids = out.new_token_ids
-            if stop_index is not None:
-                new_ids = new_ids[:num_kept]
+            new_ids = new_tokens[j]
+            stop = stops.get(j) if stops else None
+            if stop is not None:
+                new_ids = new_ids[: stop[1]]
             child.token_ids.extend(new_ids)
-            child.text += text
-            if out.logprobs is not None and child.logprobs is not None:
-                self._append_logprobs(child, out.logprobs, len(new_ids))
-            if out.prompt_logprobs is not None:
-                parent.prompt_logprobs = self._prompt_logprobs(out.prompt_logprobs)
-            if out.num_cached_tokens:
-                parent.num_cached_tokens = out.num_cached_tokens
-            if stop_index is not None:
+            child.text += texts[j]
+            if has_logprobs:
+                lp = batch.logprobs(i)
+                if lp is not None and child.logprobs is not None:
+                    self._append_logprobs(child, lp, len(new_ids))
+                plp = batch.prompt_logprobs(i)
+                if plp is not None:
+                    parent.prompt_logprobs = self._prompt_logprobs(plp)
+            if stop is not None:
                 child.finish_reason = "stop"
-                child.stop_reason = parent.params.stop_strings[stop_index]
-                self.detokenizer.remove(child.core_id)
-                if out.finish_reason is None:
-                    stopped.append(child.core_id)
-                del children[child.core_id]
-            elif out.finish_reason is not None:
-                child.finish_reason = out.finish_reason
-                child.stop_reason = out.stop_reason
-                del children[child.core_id]
+                child.stop_reason = parent.params.stop_strings[stop[0]]
+                self.detokenizer.remove(wire_id)
+                if wire_id not in finished_ids:
+                    stopped.append(wire_id)
+                self._forget(child)
+            elif wire_id in finished_ids:
+                assert finish_reasons is not None
+                if stop_reasons is None:
+                    stop_reasons, errors = batch.stop_reasons, batch.errors
+                child.finish_reason = finish_reasons[i]
+                child.stop_reason = stop_reasons[i]
+                if child.finish_reason == "error":
+                    parent.error = errors[i] or "the engine core rejected the request"
+                self._forget(child)
             if parent.params.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished:
                 due[parent.request_id] = parent
         return [self._make_output(p) for p in due.values()], stopped
+
+    def abort(self, core_ids: list[int]) -> list[RequestOutput]:
+        """Finish children the front end gave up on (the caller aborts them in the
+        core). Returns the final outputs of the requests this finishes."""
+        due: dict[str, ParentState] = {}
+        for core_id in core_ids:
+            child = self.children.get(core_id)
+            if child is None:
+                continue
+            child.finish_reason = "abort"
+            self.detokenizer.remove(core_id)
+            self._forget(child)
+            if child.parent.finished:
+                due[child.parent.request_id] = child.parent
+        return [self._make_output(p) for p in due.values()]
+
+    def _forget(self, child: ChildState) -> None:
+        del self.children[child.core_id]
+        if child.logprobs is not None or child.parent.params.prompt_logprobs is not None:
+            self._num_with_logprobs -= 1
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
         params = parent.params
@@ -158,27 +202,31 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             prompt_logprobs=parent.prompt_logprobs,
-            num_cached_tokens=parent.num_cached_tokens,
         )
 
     def _append_logprobs(self, child: ChildState, lp: Logprobs, num: int) -> None:
         assert child.logprobs is not None
-        for ids, values, rank in zip(
-            lp.token_ids[:num], lp.logprobs[:num], lp.ranks[:num], strict=True
-        ):
-            child.logprobs.append(self._logprob_dict(ids, values, rank))
-            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + values[0]
+        for entry in self._logprob_rows(lp, num):
+            child.logprobs.append(entry)
+            sampled = next(iter(entry.values()))
+            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + sampled.logprob
 
     def _prompt_logprobs(self, lp: Logprobs) -> list[dict[int, Logprob] | None]:
-        out: list[dict[int, Logprob] | None] = [None]
-        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
-            out.append(self._logprob_dict(ids, values, rank))
-        return out
+        return [None, *self._logprob_rows(lp, lp.num_positions)]
 
-    def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+    def _logprob_rows(self, lp: Logprobs, num: int) -> list[dict[int, Logprob]]:
+        """The first `num` positions of a flat Logprobs as one dict per position:
+        the sampled (or actual) token first, with its rank, then the top-N."""
+        width = lp.width
+        ids, values, ranks = lp.token_ids, lp.logprobs, lp.ranks
         decode = self.tokenizer.decode
-        entry = {ids[0]: Logprob(values[0], rank, decode([ids[0]], False))}
-        for r, (tid, value) in enumerate(zip(ids[1:], values[1:], strict=True), start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(value, r, decode([tid], False))
-        return entry
+        rows = []
+        for k in range(min(num, lp.num_positions)):
+            base = k * width
+            entry = {ids[base]: Logprob(values[base], ranks[k], decode([ids[base]], False))}
+            for r in range(1, width):
+                tid = ids[base + r]
+                if tid not in entry:
+                    entry[tid] = Logprob(values[base + r], r, decode([tid], False))
+            rows.append(entry)
+        return rows

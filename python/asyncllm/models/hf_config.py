@@ -1,22 +1,71 @@
-"""Reading a model directory's config.json, with errors that say what is wrong."""
+"""Reading a model directory's config.json, with errors that say what is wrong.
+
+The config is read with `json`, not transformers: importing transformers costs
+seconds of engine start-up, and only the fields below are used. Fields a
+config.json leaves out take the defaults of the matching transformers config
+class, so a config means the same here as it does there.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from transformers import AutoConfig, PretrainedConfig
+from types import SimpleNamespace
+from typing import Any
 
 from asyncllm.errors import ModelLoadError
 from asyncllm.models.registry import check_architecture
 
+_COMMON: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rope_parameters": None,
+    "attention_bias": False,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "torch_dtype": None,
+    "dtype": None,
+}
+# Per architecture, what its transformers config class defaults differently.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"bos_token_id": 1, "eos_token_id": 2},
+    "MistralForCausalLM": {
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+        "use_sliding_window": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "Qwen2ForCausalLM": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+    },
+}
 
-def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
-    """The transformers config of a local model directory.
 
-    The directory, config.json and the architecture are checked here first, so the
-    user sees which of them is wrong rather than a transformers traceback (which may
-    also try to reach the Hub).
+def load_hf_config(model_dir: str | Path) -> SimpleNamespace:
+    """The config of a local model directory, as attributes.
+
+    The directory, config.json and the architecture are checked first, so the user
+    sees which of them is wrong.
     """
     path = Path(model_dir)
     if not path.is_dir():
@@ -30,8 +79,11 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         raise ModelLoadError(f"cannot read {config_file}: {e}") from e
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_file} is not a JSON object")
-    check_architecture(raw.get("architectures"))
-    try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:  # transformers raises many kinds; all mean "cannot load"
-        raise ModelLoadError(f"cannot parse {config_file}: {e}") from e
+    arch = check_architecture(raw.get("architectures"))
+    values = {**_COMMON, **_DEFAULTS[arch], **raw}
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(values[key], int) or values[key] < 1:
+            raise ModelLoadError(f"{config_file}: {key}={values[key]!r} must be a positive int")
+    return SimpleNamespace(**values)

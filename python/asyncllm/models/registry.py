@@ -1,22 +1,28 @@
-"""Architecture name (config.json's `architectures[0]`) -> model class."""
+"""Architecture name (config.json's `architectures[0]`) -> model class.
+
+Names are checked without importing torch, so the front end and a null-executor
+engine core can validate a model directory cheaply.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ModelLoadError
-from asyncllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+if TYPE_CHECKING:
+    from asyncllm.models.llama import LlamaForCausalLM
 
 # Every supported family is a LlamaForCausalLM variant: one forward, one interface.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaForCausalLM",
+    "MistralForCausalLM": "LlamaForCausalLM",
+    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
+    return sorted(_ARCHITECTURES)
 
 
 def check_architecture(architectures: Any) -> str:
@@ -27,7 +33,7 @@ def check_architecture(architectures: Any) -> str:
             + ", ".join(supported_architectures())
         )
     for arch in architectures:
-        if arch in MODEL_REGISTRY:
+        if arch in _ARCHITECTURES:
             return str(arch)
     raise ModelLoadError(
         f"unsupported architecture {', '.join(map(str, architectures))}; supported: "
@@ -37,4 +43,7 @@ def check_architecture(architectures: Any) -> str:
 
 def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """The class that serves `hf_config`, or ModelLoadError naming what is supported."""
-    return MODEL_REGISTRY[check_architecture(getattr(hf_config, "architectures", None))]
+    from asyncllm.models import llama
+
+    name = _ARCHITECTURES[check_architecture(getattr(hf_config, "architectures", None))]
+    return getattr(llama, name)  # type: ignore[no-any-return]

@@ -14,7 +14,7 @@ _GIB = 1 << 30
 
 
 def bytes_per_block(config: EngineConfig, model: Any) -> int:
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
     return 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
@@ -30,7 +30,7 @@ def num_kv_blocks_for(config: EngineConfig, model: Any) -> int:
         if config.kv_cache_memory_gib is not None:
             budget = config.kv_cache_memory_gib * _GIB
         else:  # CUDA without an explicit size: a fraction of what is free now
-            free, _ = torch.cuda.mem_get_info(config.device)
+            free, _ = torch.cuda.mem_get_info(config.torch_device)
             budget = free * config.cuda_kv_fraction
         num = min(int(budget // per_block), 2 * config.max_num_seqs * blocks_per_seq)
     if num < blocks_per_seq:
@@ -47,6 +47,6 @@ def allocate_kv_caches(config: EngineConfig, model: Any, num_blocks: int) -> lis
     # garbage there would survive a zero attention weight (0 * NaN = NaN).
     shape = (2, num_blocks, config.block_size, model.num_kv_heads, model.head_dim)
     return [
-        torch.zeros(shape, dtype=config.dtype, device=config.device)
+        torch.zeros(shape, dtype=config.torch_dtype, device=config.torch_device)
         for _ in range(model.num_layers)
     ]

@@ -10,7 +10,6 @@ only per-request Python work is bookkeeping for requests that joined or left.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,33 +23,26 @@ from asyncllm.models.loader import load_model
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
+from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
 from asyncllm.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    sampled: dict[int, int] = field(default_factory=dict)
-    logprobs: dict[int, Logprobs] = field(default_factory=dict)
-    # complete prompt logprobs, delivered once the whole prompt has been computed
-    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: Any) -> None:
         self.config = config
-        self.device = config.device
+        self.device = config.torch_device
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, hf_config, config.dtype, config.device)
+        self.model = load_model(config.model, hf_config, config.torch_dtype, self.device)
         self.vocab_size = int(self.model.vocab_size)
         self.num_blocks = num_kv_blocks_for(config, self.model)
         self.kv_caches = allocate_kv_caches(config, self.model, self.num_blocks)
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
-        generator = torch.Generator(device=config.device)
+        generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         # Seeded requests keep their generator across preemption, so a resumed
@@ -156,7 +148,7 @@ class ModelRunner:
         for i, rid in enumerate(req_ids):
             k = int(wanted[i])
             if k >= 0:
-                out.logprobs[rid] = Logprobs([ids[i][: k + 1]], [values[i][: k + 1]], [ranks[i]])
+                out.logprobs[rid] = Logprobs(ids[i][: k + 1], values[i][: k + 1], [ranks[i]])
 
     def reset_kv_cache(self) -> None:
         for cache in self.kv_caches:

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 class PromptLogprobsCollector:
     def __init__(self) -> None:
-        self._partial: dict[int, tuple[list[list[int]], list[list[float]], list[int]]] = {}
+        # flat, row-major: one row of (1 + N) entries per prompt position
+        self._partial: dict[int, tuple[list[int], list[float], list[int]]] = {}
 
     def drop(self, req_id: int) -> None:
         self._partial.pop(req_id, None)
@@ -61,8 +62,10 @@ class PromptLogprobsCollector:
                 top_ids_l = top_ids.tolist() if top_ids is not None else [[]] * len(t_ids)
                 top_lp_l = top_lp.tolist() if top_lp is not None else [[]] * len(t_ids)
                 for j in range(len(t_ids)):
-                    ids.append([t_ids[j], *top_ids_l[j]])
-                    values.append([t_lp[j], *top_lp_l[j]])
+                    ids.append(t_ids[j])
+                    ids.extend(top_ids_l[j])
+                    values.append(t_lp[j])
+                    values.extend(top_lp_l[j])
                     ranks.append(rank[j])
             if ctx[i] + q[i] >= n_prompt:
                 del self._partial[rid]

@@ -1,0 +1,315 @@
+"""EngineCore in its own process: the busy loop and its two IO threads.
+
+    input thread   recv frame -> decode (Rust, GIL released) -> validate and hash
+                   the prompt's blocks -> input queue
+    busy loop      drain inputs (block only when idle) -> schedule -> execute ->
+                   update -> hand the step's outputs to the output queue
+    output thread  encode (Rust, GIL released) -> send
+
+Run as `python -m asyncllm.engine.core_proc` by the front end's launcher (a fresh
+interpreter, so user scripts need no `__main__` guard), or in a thread of the
+front end's process over `inproc://` sockets for debugging. The first frame it
+sends is READY or, when start-up fails, ENGINE_ERROR with the root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from collections import deque
+from time import perf_counter
+from typing import Any
+
+import zmq
+
+from asyncllm import _core, envs
+from asyncllm.config import EngineArgs
+from asyncllm.core.request import Request
+from asyncllm.engine.core import EngineCore
+from asyncllm.engine.messages import StepOutputs
+from asyncllm.engine.wire import from_wire
+from asyncllm.errors import AsyncLLMError
+
+logger = logging.getLogger(__name__)
+
+# Bounded queues: a consumer that falls behind stalls the producer instead of
+# growing memory. Outputs are one frame per step, so 64 is ample slack.
+_INPUT_QUEUE_SIZE = 4096
+_OUTPUT_QUEUE_SIZE = 64
+_SEND_HWM = 256
+_LINGER_MS = 2000
+
+
+class _Stop:
+    """Sentinel that ends the output thread."""
+
+
+class EngineCoreProc:
+    """Owns the engine core, its sockets and threads. `run_busy_loop` runs on the
+    thread that built it and returns after a SHUTDOWN message."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        input_addr: str,
+        output_addr: str,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.args = args
+        self.ctx = context or zmq.Context.instance()
+        self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue(_INPUT_QUEUE_SIZE)
+        self.output_queue: queue.Queue[Any] = queue.Queue(_OUTPUT_QUEUE_SIZE)
+        self.handoff_times: deque[float] = deque(maxlen=20000)
+        self._shutdown = False
+        self.core: EngineCore | None = None
+        # The output thread comes first, so a start-up failure can still be reported.
+        self._output_thread = threading.Thread(
+            target=self._output_loop, args=(output_addr,), name="core-output", daemon=True
+        )
+        self._output_thread.start()
+        try:
+            self.core = _build_core(args)
+        except BaseException as exc:
+            self.output_queue.put(_core.encode_engine_error(_describe(exc)))
+            self.close()
+            raise
+        core = self.core
+        ready = _core.Ready(
+            max_model_len=core.config.max_model_len,
+            num_kv_blocks=core.num_kv_blocks,
+            block_size=core.config.block_size,
+            vocab_size=core.vocab_size,
+            eos_token_ids=sorted(core.eos_token_ids),
+        )
+        self.output_queue.put(_core.encode_ready(ready))
+        self._input_thread = threading.Thread(
+            target=self._input_loop, args=(input_addr,), name="core-input", daemon=True
+        )
+        self._input_thread.start()
+
+    # -- the busy loop (main thread) -----------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        core = self.core
+        assert core is not None
+        out_queue = self.output_queue
+        handoff = self.handoff_times
+        while not self._shutdown:
+            self._process_inputs(block=not core.has_unfinished_requests())
+            if self._shutdown or not core.has_unfinished_requests():
+                continue
+            outputs = core.step()
+            if outputs.req_ids:
+                t0 = perf_counter()
+                out_queue.put(outputs)  # blocks when the front end lags: back-pressure
+                handoff.append(perf_counter() - t0)
+
+    def _process_inputs(self, block: bool) -> None:
+        q = self.input_queue
+        if block:
+            self._handle(q.get())
+        while not self._shutdown:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(item)
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        core = self.core
+        assert core is not None
+        kind = item[0]
+        if kind == "add":
+            _, requests, rejected = item
+            for request in requests:
+                if request.request_id in core.scheduler.requests:
+                    rejected.append((request.request_id, "duplicate wire id"))
+                else:
+                    core.add_request(request)
+            if rejected:
+                ids = [rid for rid, _ in rejected]
+                errors: list[str | None] = [msg for _, msg in rejected]
+                self.output_queue.put(core.final_outputs(ids, "error", errors))
+        elif kind == "abort":
+            outputs = core.abort_requests(item[1])
+            if outputs.req_ids:
+                self.output_queue.put(outputs)
+        elif kind == "utility":
+            _, call_id, method, args = item
+            try:
+                value = self._call_utility(method, args)
+                self.output_queue.put(_core.encode_utility_result(call_id, True, value))
+            except Exception as exc:  # a failed utility call fails that call only
+                logger.warning("utility call %s failed: %s", method, exc)
+                self.output_queue.put(_core.encode_utility_result(call_id, False, str(exc)))
+        elif kind == "shutdown":
+            self._shutdown = True
+
+    def _call_utility(self, method: str, args: Any) -> Any:
+        core = self.core
+        assert core is not None
+        if method == "check_health":
+            return True
+        if method == "get_stats":
+            s = core.stats()
+            return {
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting,
+                "kv_cache_usage": s.kv_cache_usage,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "num_preemptions": s.num_preemptions,
+                "num_free_blocks": core.kv_cache.num_free_blocks,
+                "num_blocks": core.num_kv_blocks,
+                "num_unfinished": core.scheduler.num_unfinished,
+            }
+        if method == "reset_prefix_cache":
+            return core.reset_prefix_cache()
+        if method == "get_step_timings":
+            timings = list(core.step_timings)
+            handoff = list(self.handoff_times)
+            if args and args.get("clear"):
+                core.step_timings.clear()
+                self.handoff_times.clear()
+            return {
+                "start": [t[0] for t in timings],
+                "schedule": [t[1] for t in timings],
+                "execute": [t[2] for t in timings],
+                "update": [t[3] for t in timings],
+                "num_outputs": [t[4] for t in timings],
+                "handoff": handoff,
+            }
+        raise ValueError(f"unknown utility method {method!r}")
+
+    # -- IO threads ---------------------------------------------------------------
+
+    def _input_loop(self, addr: str) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        core = self.core
+        assert core is not None
+        put = self.input_queue.put
+        try:
+            while True:
+                frame = sock.recv(copy=True)
+                try:
+                    msg_type, payload = _core.decode_message(frame)
+                except _core.WireError as exc:
+                    logger.warning("dropped a malformed frame (%d bytes): %s", len(frame), exc)
+                    continue
+                if msg_type == _core.MSG_ADD_REQUESTS:
+                    requests: list[Request] = []
+                    rejected: list[tuple[int, str]] = []
+                    for add in payload:
+                        try:  # validation and prompt block hashing: off the busy loop
+                            requests.append(core.make_request(from_wire(add)))
+                        except AsyncLLMError as exc:
+                            rejected.append((add.wire_id, str(exc)))
+                    put(("add", requests, rejected))
+                elif msg_type == _core.MSG_ABORT:
+                    put(("abort", payload))
+                elif msg_type == _core.MSG_UTILITY_CALL:
+                    put(("utility", *payload))
+                elif msg_type == _core.MSG_SHUTDOWN:
+                    put(("shutdown",))
+                    return
+                else:
+                    logger.warning("dropped an unexpected message of type %d", msg_type)
+        except zmq.ContextTerminated:
+            return
+        finally:
+            sock.close()
+
+    def _output_loop(self, addr: str) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.connect(addr)
+        get = self.output_queue.get
+        try:
+            while True:
+                item = get()
+                if item is _Stop:
+                    return
+                frame = item.encode() if isinstance(item, StepOutputs) else item
+                sock.send(frame, copy=False)
+        except zmq.ContextTerminated:
+            return
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        """Flush what is queued for the front end and stop the output thread."""
+        self.output_queue.put(_Stop)
+        self._output_thread.join(timeout=_LINGER_MS / 1000 + 1)
+
+
+def _build_core(args: EngineArgs) -> EngineCore:
+    from asyncllm.frontend.tokenizer import Tokenizer, resolve_eos_token_ids
+    from asyncllm.models.hf_config import load_hf_config
+
+    hf_config = load_hf_config(args.model)
+    config = args.resolve(hf_config)
+    tokenizer = Tokenizer(config.tokenizer)
+    eos = resolve_eos_token_ids(config.model, hf_config, tokenizer)
+    return EngineCore(config, hf_config, eos)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _watch_parent() -> None:
+    """Exit when the front end goes away: it holds the write end of our stdin, so
+    EOF here means it has died (or closed it on purpose). No orphans."""
+    try:
+        while sys.stdin.buffer.read(1024):
+            pass
+    except (OSError, ValueError):
+        pass
+    logger.info("front-end process is gone; engine core exiting")
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m asyncllm.engine.core_proc")
+    ap.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    ap.add_argument("--input", required=True, help="ZMQ address to receive requests on")
+    ap.add_argument("--output", required=True, help="ZMQ address to send outputs to")
+    ap.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
+    opts = ap.parse_args(argv)
+    logging.basicConfig(
+        level=envs.log_level(),
+        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s",
+    )
+    # Ctrl-C reaches the whole process group; the front end decides what to do.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if opts.watch_stdin:
+        threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
+    proc = None
+    try:
+        proc = EngineCoreProc(EngineArgs.from_json(opts.engine_args), opts.input, opts.output)
+        proc.run_busy_loop()
+        return 0
+    except SystemExit:
+        return 0
+    except BaseException as exc:
+        traceback.print_exc()
+        if proc is not None:  # start-up errors were reported by the constructor
+            proc.output_queue.put(_core.encode_engine_error(_describe(exc)))
+        return 1
+    finally:
+        if proc is not None:
+            proc.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

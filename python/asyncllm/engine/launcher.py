@@ -1,0 +1,79 @@
+"""Starting the engine-core process and cleaning up after it.
+
+The core runs in a fresh interpreter (`python -m asyncllm.engine.core_proc`), not
+a fork and not multiprocessing's re-import of the user's `__main__`, so scripts
+need no `if __name__ == "__main__":` guard. Its sockets live in a private
+directory (mode 0700) that is removed at shutdown; nothing listens on TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from asyncllm.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+class CoreProcess:
+    """The engine-core child process and its socket directory."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.socket_dir = tempfile.mkdtemp(prefix="asyncllm-")
+        os.chmod(self.socket_dir, 0o700)
+        self.input_addr = f"ipc://{self.socket_dir}/input.sock"
+        self.output_addr = f"ipc://{self.socket_dir}/output.sock"
+        self._args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Spawn the child; the caller must have bound both addresses already."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncllm.engine.core_proc",
+            "--engine-args",
+            self._args.to_json(),
+            "--input",
+            self.input_addr,
+            "--output",
+            self.output_addr,
+            "--watch-stdin",
+        ]
+        # stdin is a pipe we never write: when this process dies the child sees EOF.
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        return self.proc.wait()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Wait for the child to exit (after SHUTDOWN), else terminate, else kill.
+        Removes the socket directory. Idempotent."""
+        proc = self.proc
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine core did not exit in %.1fs; terminating it", timeout)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)

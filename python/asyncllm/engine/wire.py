@@ -1,0 +1,60 @@
+"""Requests between their Python form and the wire's `_core.AddRequest`.
+
+The front end resolves everything a request needs before it leaves (a concrete
+`max_tokens`, say), so the core rebuilds its `SamplingParams` from the wire alone.
+"""
+
+from __future__ import annotations
+
+from asyncllm._core import AddRequest
+from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.sampling_params import SamplingParams
+
+
+def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
+    p = req.sampling_params
+    room = max_model_len - len(req.prompt_token_ids)
+    max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+    return AddRequest(
+        req.request_id,
+        req.prompt_token_ids,
+        arrival_time=req.arrival_time,
+        priority=req.priority,
+        max_tokens=max(max_tokens, 1),
+        min_tokens=p.min_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+    )
+
+
+def from_wire(add: AddRequest) -> EngineCoreRequest:
+    """Raises ConfigError when the wire carries values SamplingParams rejects."""
+    params = SamplingParams(
+        max_tokens=add.max_tokens,
+        min_tokens=min(add.min_tokens, add.max_tokens),
+        temperature=add.temperature,
+        top_p=add.top_p,
+        top_k=add.top_k,
+        min_p=add.min_p,
+        seed=add.seed,
+        stop_token_ids=add.stop_token_ids,
+        ignore_eos=add.ignore_eos,
+        logprobs=add.logprobs,
+        prompt_logprobs=add.prompt_logprobs,
+        repetition_penalty=add.repetition_penalty,
+        frequency_penalty=add.frequency_penalty,
+        presence_penalty=add.presence_penalty,
+    )
+    return EngineCoreRequest(
+        add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority
+    )

@@ -1,0 +1,39 @@
+"""Every environment variable asyncllm reads, in one place, typed and checked."""
+
+from __future__ import annotations
+
+import os
+
+from asyncllm.errors import ConfigError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"environment variable {name}={raw!r} is invalid: must be 1/0/true/false")
+
+
+def multiprocess() -> bool:
+    """ASYNCLLM_MULTIPROCESS (default 1): run the engine core in its own process.
+    0 keeps it in the caller's process, for debugging."""
+    return _bool("ASYNCLLM_MULTIPROCESS", True)
+
+
+def log_level() -> str:
+    """ASYNCLLM_LOG_LEVEL (default WARNING): the engine-core process's log level."""
+    value = os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING").upper()
+    if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise ConfigError(
+            f"environment variable ASYNCLLM_LOG_LEVEL={value!r} is invalid: must be one of "
+            "DEBUG, INFO, WARNING, ERROR, CRITICAL"
+        )
+    return value

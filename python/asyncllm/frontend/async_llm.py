@@ -1,0 +1,252 @@
+"""`AsyncLLM`: the asyncio front end for serving many concurrent streams.
+
+One output-handler task per engine takes each step's decoded batch, runs the Rust
+detokenizer and stop-string step for every request in it in one call, and feeds
+the per-request collectors; `generate()` consumers read from their collector.
+A stop-string match finishes the request for the consumer at once and aborts it
+in the core. If the core dies, every waiting `generate()` raises
+`EngineDeadError` and new requests fail fast with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import weakref
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from asyncllm import _core, envs
+from asyncllm.config import EngineArgs
+from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.engine.wire import to_wire
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.frontend.core_client import MPClient
+from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
+from asyncllm.frontend.output_collector import RequestOutputCollector
+from asyncllm.frontend.output_processor import OutputProcessor, ParentState
+from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_TIMEOUT_S = 10.0
+
+
+class AsyncLLM:
+    """Streams completions: `async for out in engine.generate(prompt, params, id)`.
+
+    The engine core runs in its own process by default (`multiprocess=False`, or
+    ASYNCLLM_MULTIPROCESS=0, runs it in a thread of this process for debugging).
+    """
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        multiprocess: bool | None = None,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        if multiprocess is None:
+            multiprocess = envs.multiprocess()
+        self.args = args
+        self.tokenizer = Tokenizer(args.tokenizer or args.model)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batches: asyncio.Queue[_core.OutputBatch] | None = None
+        self._pending: list[_core.OutputBatch] = []  # batches before a loop existed
+        self.client = MPClient(
+            args,
+            self._on_output,
+            self._on_dead,
+            in_thread=not multiprocess,
+            startup_timeout=startup_timeout,
+        )
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        ready = self.client.ready
+        self.max_model_len = ready.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._parents: dict[str, ParentState] = {}
+        self._wire_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._handler: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(args, **kwargs)
+
+    # -- status -----------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None or self.client.dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self.client.is_alive and not self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self._dead or self.client.dead or EngineDeadError("the engine is not running")
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs (CUMULATIVE, DELTA or FINAL_ONLY as its params
+        say). Closing the generator or cancelling its consumer aborts the request."""
+        self._start_handler()
+        if not self.is_running:
+            raise self.dead_error
+        params = sampling_params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        if request_id in self._collectors:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        text, prompt_ids = self.input_processor.process(prompt)
+        self.input_processor.check_params(params)
+        children = fan_out(params)
+        core_ids = [next(self._wire_ids) for _ in children]
+        parent = ParentState(request_id, text, prompt_ids, params)
+        collector = RequestOutputCollector(params.output_kind)
+        self.output_processor.add_request(parent, core_ids)
+        self._collectors[request_id] = collector
+        self._parents[request_id] = parent
+        finished = False
+        try:
+            self.client.add_requests(
+                [
+                    to_wire(EngineCoreRequest(cid, prompt_ids, p), self.max_model_len)
+                    for cid, p in zip(core_ids, children, strict=True)
+                ]
+            )
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                if parent.error is not None:
+                    raise InvalidRequestError(parent.error)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # cancelled, closed early, or failed: stop it in the core
+                self._abort_now(request_id)
+            self._collectors.pop(request_id, None)
+            self._parents.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its `generate()` ends with finish_reason "abort"."""
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return
+        core_ids = [c.core_id for c in parent.children if c.finish_reason is None]
+        if not core_ids:
+            return
+        for out in self.output_processor.abort(core_ids):
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+        try:
+            self.client.abort_requests(core_ids)
+        except EngineDeadError:
+            pass  # nothing left to abort
+
+    async def check_health(self, timeout: float = _HEALTH_TIMEOUT_S) -> None:
+        """A round trip through the core's busy loop; raises EngineDeadError if the
+        core is dead or does not answer within `timeout` seconds (a hung core)."""
+        if not self.is_running:
+            raise self.dead_error
+        future = self.client.call_utility("check_health")
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except TimeoutError:
+            raise EngineDeadError(
+                f"the engine core did not answer a health check within {timeout:.1f}s"
+            ) from None
+
+    async def call_utility(self, method: str, args: Any = None, timeout: float = 30.0) -> Any:
+        """Call a core utility (get_stats, reset_prefix_cache, get_step_timings)."""
+        future = self.client.call_utility(method, args)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.call_utility("get_stats")  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        """Stop the engine core and release every resource. Idempotent."""
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self._finalizer()
+        error = EngineDeadError("the engine has been shut down")
+        for collector in self._collectors.values():
+            collector.put_error(error)
+
+    # -- the output handler -------------------------------------------------------------
+
+    def _start_handler(self) -> None:
+        if self._handler is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._batches = asyncio.Queue()
+        for batch in self._pending:
+            self._batches.put_nowait(batch)
+        self._pending.clear()
+        self._handler = self._loop.create_task(self._output_handler(), name="asyncllm-output")
+
+    def _on_output(self, batch: _core.OutputBatch) -> None:
+        """Receiver thread: hand the batch to the event loop."""
+        loop, batches = self._loop, self._batches
+        if loop is None or batches is None:
+            self._pending.append(batch)
+            return
+        try:
+            loop.call_soon_threadsafe(batches.put_nowait, batch)
+        except RuntimeError:  # the loop has closed
+            pass
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        """Monitor thread: fail every waiting request."""
+        loop = self._loop
+        if loop is None:
+            self._fail_all(error)
+            return
+        try:
+            loop.call_soon_threadsafe(self._fail_all, error)
+        except RuntimeError:
+            pass
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self._dead = error
+        for collector in self._collectors.values():
+            collector.put_error(error)
+
+    async def _output_handler(self) -> None:
+        batches = self._batches
+        assert batches is not None
+        processor = self.output_processor
+        collectors = self._collectors
+        while True:
+            batch = await batches.get()
+            try:
+                outputs, stopped = processor.process_outputs(batch)
+            except Exception:
+                logger.exception("processing an output batch failed")
+                continue
+            for out in outputs:
+                collector = collectors.get(out.request_id)
+                if collector is not None:
+                    collector.put(out)
+            if stopped:
+                try:
+                    self.client.abort_requests(stopped)
+                except EngineDeadError:
+                    pass

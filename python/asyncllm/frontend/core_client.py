@@ -1,0 +1,252 @@
+"""The front end's side of the process boundary: sockets to the engine core, the
+READY handshake, a receiver thread, and death detection.
+
+Frames are decoded on the receiver thread (the Rust codec releases the GIL for
+the byte work) and handed to the owner through `on_output`; utility calls are
+matched to their results by call id. If the core dies, `on_dead` is called once
+with an `EngineDeadError` and every pending call fails with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from asyncllm import _core
+from asyncllm.config import EngineArgs
+from asyncllm.engine.launcher import CoreProcess
+from asyncllm.errors import EngineDeadError, EngineStartupError
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often the receiver looks up from its socket to check for shutdown
+_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+class MPClient:
+    """A connection to one engine core: in a child process (the default) or, for
+    debugging, in a thread of this process over `inproc://` sockets."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        on_output: Callable[[_core.OutputBatch], None],
+        on_dead: Callable[[EngineDeadError], None],
+        *,
+        in_thread: bool = False,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        self._on_output = on_output
+        self._on_dead = on_dead
+        self._lock = threading.Lock()
+        self._calls: dict[int, Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+        self._closed = False
+        self.dead: EngineDeadError | None = None
+        self._last_error: str | None = None
+        self.ctx = zmq.Context()
+        self.process: CoreProcess | None = None
+        self._core_thread: threading.Thread | None = None
+        if in_thread:
+            name = uuid.uuid4().hex
+            input_addr, output_addr = f"inproc://{name}-in", f"inproc://{name}-out"
+        else:
+            self.process = CoreProcess(args)
+            input_addr, output_addr = self.process.input_addr, self.process.output_addr
+        self._input = self.ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_addr)
+        self._output = self.ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_addr)
+        try:
+            if self.process is not None:
+                self.process.start()
+            else:
+                self._core_thread = threading.Thread(
+                    target=_run_core_in_thread,
+                    args=(args, input_addr, output_addr, self.ctx),
+                    name="engine-core",
+                    daemon=True,
+                )
+                self._core_thread.start()
+            self.ready = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._teardown()
+            raise
+        self._receiver = threading.Thread(target=self._receive_loop, name="core-receiver")
+        self._receiver.daemon = True
+        self._receiver.start()
+        if self.process is not None:
+            threading.Thread(target=self._watch_process, name="core-monitor", daemon=True).start()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_requests(self, requests: Sequence[_core.AddRequest]) -> None:
+        self._send(_core.encode_add_requests(requests))
+
+    def abort_requests(self, wire_ids: Sequence[int]) -> None:
+        if wire_ids and self.dead is None and not self._closing:
+            self._send(_core.encode_abort(wire_ids))
+
+    def call_utility(self, method: str, args: Any = None) -> Future[Any]:
+        """Run `method` on the core's busy loop; the future holds its result."""
+        future: Future[Any] = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+                return future
+            self._calls[call_id] = future
+        self._send(_core.encode_utility_call(call_id, method, args))
+        return future
+
+    def send_raw(self, frame: bytes) -> None:
+        """Send a frame as is (for tests of the core's robustness)."""
+        self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            if self._closing:
+                raise EngineDeadError("the engine has been shut down")
+            self._input.send(frame, copy=False)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def _wait_ready(self, timeout: float) -> _core.Ready:
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        waited = 0.0
+        while waited < timeout:
+            if poller.poll(_POLL_MS):
+                msg_type, payload = _core.decode_message(self._output.recv())
+                if msg_type == _core.MSG_READY:
+                    return payload  # type: ignore[no-any-return]
+                if msg_type == _core.MSG_ENGINE_ERROR:
+                    raise EngineStartupError(f"the engine core failed to start: {payload}")
+                logger.warning("ignored message type %d before READY", msg_type)
+                continue
+            waited += _POLL_MS / 1000
+            code = self.process.exit_code() if self.process else None
+            if code is not None:
+                raise EngineStartupError(
+                    f"the engine core process exited with code {code} before it was ready "
+                    "(its error output above says why)"
+                )
+            if self._core_thread is not None and not self._core_thread.is_alive():
+                raise EngineStartupError("the engine core thread ended before it was ready")
+        raise EngineStartupError(f"the engine core was not ready within {timeout:.0f}s")
+
+    def _receive_loop(self) -> None:
+        sock = self._output
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._closing:
+            if not poller.poll(_POLL_MS):
+                continue
+            try:
+                frame = sock.recv(copy=False)
+                msg_type, payload = _core.decode_message(frame.buffer)
+            except zmq.ZMQError:
+                return
+            except _core.WireError as exc:
+                logger.error("dropped a malformed frame from the engine core: %s", exc)
+                continue
+            if msg_type == _core.MSG_OUTPUT_BATCH:
+                try:
+                    self._on_output(payload)
+                except Exception:  # the owner's bug must not kill the receiver
+                    logger.exception("output callback failed")
+            elif msg_type == _core.MSG_UTILITY_RESULT:
+                call_id, ok, value = payload
+                with self._lock:
+                    future = self._calls.pop(call_id, None)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(RuntimeError(f"engine core utility call: {value}"))
+            elif msg_type == _core.MSG_ENGINE_ERROR:
+                self._last_error = str(payload)
+                logger.error("engine core reported a fatal error: %s", payload)
+                if self.process is None:
+                    self._die(f"the engine core failed: {payload}")
+
+    def _watch_process(self) -> None:
+        assert self.process is not None
+        code = self.process.wait()
+        if not self._closing:
+            detail = f": {self._last_error}" if self._last_error else ""
+            self._die(f"the engine core process exited unexpectedly with code {code}{detail}")
+
+    def _die(self, message: str) -> None:
+        error = EngineDeadError(message)
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = error
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._on_dead(error)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and not self._closing
+
+    def shutdown(self) -> None:
+        """Stop the core and release every resource. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closing = True
+        try:
+            with self._lock:
+                if self.dead is None:
+                    self._input.send(_core.encode_shutdown(), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.join(timeout=2 * _POLL_MS / 1000 + 1)
+        self._teardown()
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine has been shut down"))
+
+    def _teardown(self) -> None:
+        self._closing = True
+        if self.process is not None:
+            self.process.stop(timeout=_SHUTDOWN_TIMEOUT_S)
+        if self._core_thread is not None:
+            self._core_thread.join(timeout=_SHUTDOWN_TIMEOUT_S)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self.ctx.term()
+        self._closed = True
+
+
+def _run_core_in_thread(args: EngineArgs, input_addr: str, output_addr: str, ctx: Any) -> None:
+    from asyncllm.engine.core_proc import EngineCoreProc
+
+    proc = None
+    try:
+        proc = EngineCoreProc(args, input_addr, output_addr, context=ctx)
+        proc.run_busy_loop()
+    except Exception:  # start-up failures were reported through the socket
+        logger.exception("engine core thread failed")
+    finally:
+        if proc is not None:
+            proc.close()
