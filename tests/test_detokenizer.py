@@ -136,7 +136,8 @@ def run_batched(det: Detokenizer, cases: list[Case], rng: random.Random) -> None
             ids.append(base + i)
             chunks.append(chunk)
             finished.append(pos[i] == len(cases[i].out))
-        results = det.step(ids, chunks, finished)
+        finished_ids = [rid for rid, done in zip(ids, finished, strict=True) if done]
+        results = det.step(ids, chunks, finished_ids)
         assert len(results) == len(chosen)
         for i, done, res in zip(chosen, finished, results, strict=True):
             c = cases[i]
@@ -274,9 +275,9 @@ def test_prompt_seeding_sentencepiece_space_and_partial_utf8() -> None:
     det.add_request(1, prompt)
     assert det.finish(1)[0] == "", "prompt text is never re-emitted"
     det.add_request(1, prompt)
-    assert det.step([1], [[world]], [True])[0][0] == " world"
+    assert det.step([1], [[world]], [1])[0][0] == " world"
     det.add_request(2, [])
-    assert det.step([2], [[world]], [True])[0][0] == "world"
+    assert det.step([2], [[world]], [2])[0][0] == "world"
     # A prompt ending inside a character: the output completes and emits it once.
     ids = encode(ref, "x 🫠")
     byte_start = next(i for i, t in enumerate(ids) if ref.tok.id_to_token(t).startswith("<0x"))
@@ -304,6 +305,8 @@ def test_errors() -> None:
         det.step([11, 11], [[1], [2]])
     with pytest.raises(DetokenizerError, match="differ in length"):
         det.step([11], [[1], [2]])
+    with pytest.raises(DetokenizerError, match="finished request 12 is not in the batch"):
+        det.step([11], [[1]], [12])
     # Failed steps changed nothing.
     assert det.step([11], [encode(ref, "Hi")])[0] == ("Hi", None, 1, 1)
     assert det.remove(11) and not det.remove(11)
@@ -317,7 +320,7 @@ def test_from_json_matches_from_file() -> None:
     ref, _ = load("t5-small")
     ids = encode(ref, "Hello there, world.")
     det.add_request(1, [])
-    assert det.step([1], [ids], [True])[0][0] == ref.tok.decode(ids)
+    assert det.step([1], [ids], [1])[0][0] == ref.tok.decode(ids)
 
 
 def test_step_releases_the_gil() -> None:
@@ -362,3 +365,32 @@ def test_step_releases_the_gil() -> None:
     assert elapsed[0] > 0.05, "the step should be long enough to measure"
     rate = counted / during
     assert rate >= 0.3 * solo, f"Python thread ran at {rate / solo:.0%} of its solo rate"
+
+
+def test_step_inputs_and_output_views() -> None:
+    import array
+
+    ref, det = load("gpt2")
+    hello, world, bang = encode(ref, "Hello world!")
+    det.add_request(1, [])
+    det.add_request(2, [], stop=[" world"], include_stop_str_in_output=True)
+    # Ints, sequences and buffers of ids give the same results.
+    out = det.step([1, 2], [hello, [hello]])
+    assert out.texts == ["Hello", "Hello"]
+    out = det.step([1, 2], array.array("I", [world, world]))
+    assert len(out) == 2
+    assert out.texts == [" world", " world"]
+    assert out.stops == [(1, 0, 1)]
+    assert out.num_kept == [1, 1]
+    assert out.num_tokens_released == [2, 2]
+    assert out[1] == (" world", 0, 1, 2)
+    assert out[-1] == out[1]
+    with pytest.raises(IndexError):
+        out[2]
+    # A stopped request keeps nothing; finishing drops it.
+    out = det.step([1, 2], array.array("q", [bang, bang]), [1, 2])
+    assert (out.texts, out.num_kept, out.stops) == (["!", ""], [1, 0], [])
+    assert len(det) == 0
+    det.add_request(3, [])
+    with pytest.raises(OverflowError):
+        det.step([3], array.array("q", [-1]))

@@ -299,18 +299,38 @@ import collections.abc as _abc  # noqa: E402
 import os  # noqa: E402
 import typing as _typing  # noqa: E402
 
-_StepResult = tuple[str, int | None, int, int]
-"""Per request of a `Detokenizer.step`: `(text, stop_index, num_kept, num_tokens_released)`.
+@_typing.final
+class DetokenizerOutput:
+    """What one `Detokenizer.step` released, per request in the order given.
 
-- `text`: the newly released text.
-- `stop_index`: index into the request's `stop` list of the stop string that matched
-  in this step, else None. After a match the request is stopped: later steps
-  release nothing and keep no tokens; call `remove` (or `step(..., finished)`).
-- `num_kept`: how many of this step's new token ids belong to the output: all of
-  them, or after a match those up to and including the token that completed it.
-- `num_tokens_released`: output tokens, counted from the first, whose text has
-  been released in full; all kept tokens once stopped or finished.
-"""
+    Indexing gives `(text, stop_index, num_kept, num_tokens_released)` of one request.
+    `texts` is built with the output (the same list at each read); the other
+    properties build a new list when read.
+    """
+
+    @property
+    def texts(self) -> list[str]:
+        """The newly released text of each request."""
+
+    @property
+    def stops(self) -> list[tuple[int, int, int]]:
+        """`(position in the batch, stop string index, num_kept)` of each request whose
+        stop string matched in this step. Such a request is stopped: later steps
+        release nothing and keep no tokens; `remove` it (or name it in `finished`)."""
+
+    @property
+    def num_kept(self) -> list[int]:
+        """How many of each request's new token ids belong to its output: all of them,
+        or after a match those up to and including the token that completed it
+        (0 for a request stopped earlier)."""
+
+    @property
+    def num_tokens_released(self) -> list[int]:
+        """Output tokens of each request, counted from the first, whose text has been
+        released in full (all kept tokens once stopped or finished)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int, /) -> tuple[str, int | None, int, int]: ...
 
 @_typing.final
 class Detokenizer:
@@ -321,7 +341,7 @@ class Detokenizer:
     `D(prompt)`, where `D` is `tokenizers`' `decode(ids, skip_special_tokens)`
     (with `spaces_between_special_tokens=False`: each run of non-added tokens
     decoded apart and added tokens' contents glued in); with stop strings, that
-    text cut at the earliest-ending match. Released text is never retracted:
+    text cut at the earliest-ending match (ties: the longest). Released text is never retracted:
     incomplete UTF-8 and, while streaming, the longest suffix that may begin a
     stop string are held back until decided. The work runs with the GIL
     released. Raises `DetokenizerError` for tokenizers whose decoder can't be
@@ -358,19 +378,23 @@ class Detokenizer:
     def step(
         self,
         request_ids: _abc.Sequence[int],
-        new_token_ids: _abc.Iterable[_abc.Iterable[int]],
-        finished: _abc.Sequence[bool] | None = None,
-    ) -> list[_StepResult]:
-        """Advances each request by its new token ids (one engine step) and
-        returns a `_StepResult` per request, in order. `finished[i]` true means
-        request i ended for another reason (EOS, length, abort) with this step:
-        its held-back text is released as the full decode ends it, and its state
-        dropped. Raises `DetokenizerError`, changing nothing, if an id is
-        unknown or repeated or the arguments differ in length."""
+        new_token_ids: _abc.Iterable[int | _abc.Iterable[int]],
+        finished: _abc.Iterable[int] | None = None,
+    ) -> DetokenizerOutput:
+        """Advances each request by its new token ids (one engine step).
 
-    def finish(self, request_id: int) -> _StepResult:
-        """`step([request_id], [[]], [True])[0]`: releases what the request
-        holds back and drops it."""
+        `new_token_ids[i]` is request i's new ids: an int (one token) or a sequence
+        of ints; or `new_token_ids` is a buffer of 32/64-bit ints (`array.array`,
+        NumPy), one token per request, which avoids Python ints altogether.
+        `finished` names requests of this batch that ended for another reason
+        (EOS, length, abort) with this step: their held-back text is released as
+        the full decode ends it, and their state dropped. Raises
+        `DetokenizerError`, changing nothing, if an id is unknown or repeated, a
+        finished id is not in the batch, or the arguments differ in length."""
+
+    def finish(self, request_id: int) -> tuple[str, int | None]:
+        """Releases what the request holds back and drops it (`step` with no
+        tokens and the request finished): `(text, stop_index)`."""
 
     @property
     def num_requests(self) -> int:

@@ -145,8 +145,13 @@ struct Request {
 /// Batched incremental detokenizer with stop strings, for one tokenizer.
 pub struct Detokenizer {
     table: DecodeTable,
-    requests: IdMap<Request>,
+    /// Request id -> index in `slots`: one hash lookup per request per step.
+    index: IdMap<usize>,
+    slots: Vec<Option<Request>>,
+    free_slots: Vec<usize>,
     num_steps: u64,
+    // Buffers reused across steps.
+    step_slots: Vec<usize>,
     scratch: String,
     ends: Vec<usize>,
 }
@@ -169,19 +174,22 @@ impl Detokenizer {
     pub fn new(tokenizer: &Tokenizer) -> Result<Self, DetokError> {
         Ok(Detokenizer {
             table: DecodeTable::new(tokenizer)?,
-            requests: IdMap::default(),
+            index: IdMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
             num_steps: 0,
+            step_slots: Vec::new(),
             scratch: String::new(),
             ends: Vec::new(),
         })
     }
 
     pub fn num_requests(&self) -> usize {
-        self.requests.len()
+        self.index.len()
     }
 
     pub fn contains(&self, request_id: u64) -> bool {
-        self.requests.contains_key(&request_id)
+        self.index.contains_key(&request_id)
     }
 
     /// Adds a request whose prompt is `prompt_token_ids`: its state is seeded
@@ -192,7 +200,7 @@ impl Detokenizer {
         prompt_token_ids: &[u32],
         params: RequestParams,
     ) -> Result<(), DetokError> {
-        if self.requests.contains_key(&request_id) {
+        if self.index.contains_key(&request_id) {
             return Err(DetokError::DuplicateRequest(request_id));
         }
         if params.stop.iter().any(String::is_empty) {
@@ -205,31 +213,46 @@ impl Detokenizer {
         let decoder = IncrementalDecoder::after_prompt(&self.table, opts, prompt_token_ids);
         let stop = (!params.stop.is_empty())
             .then(|| StopMatcher::new(params.stop, params.include_stop_str_in_output));
-        self.requests.insert(
-            request_id,
-            Request {
-                decoder,
-                stop,
-                min_tokens: params.min_tokens,
-                num_tokens: 0,
-                num_decided: 0,
-                min_end: if params.min_tokens <= 1 {
-                    0
-                } else {
-                    usize::MAX
-                },
-                num_tokens_released: 0,
-                marks: VecDeque::new(),
-                stopped: false,
-                last_step: 0,
+        let request = Request {
+            decoder,
+            stop,
+            min_tokens: params.min_tokens,
+            num_tokens: 0,
+            num_decided: 0,
+            min_end: if params.min_tokens <= 1 {
+                0
+            } else {
+                usize::MAX
             },
-        );
+            num_tokens_released: 0,
+            marks: VecDeque::new(),
+            stopped: false,
+            last_step: 0,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.slots[slot] = Some(request);
+                slot
+            }
+            None => {
+                self.slots.push(Some(request));
+                self.slots.len() - 1
+            }
+        };
+        self.index.insert(request_id, slot);
         Ok(())
     }
 
     /// Drops a request's state; false if there was none.
     pub fn remove(&mut self, request_id: u64) -> bool {
-        self.requests.remove(&request_id).is_some()
+        match self.index.remove(&request_id) {
+            Some(slot) => {
+                self.slots[slot] = None;
+                self.free_slots.push(slot);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Advances every request in `batch` by its new tokens and returns, in the
@@ -244,25 +267,27 @@ impl Detokenizer {
             return Err(DetokError::BatchShape);
         }
         self.num_steps += 1;
+        self.step_slots.clear();
         for &id in &batch.request_ids {
-            let req = self
-                .requests
-                .get_mut(&id)
-                .ok_or(DetokError::UnknownRequest(id))?;
+            let slot = *self.index.get(&id).ok_or(DetokError::UnknownRequest(id))?;
+            let Some(req) = self.slots[slot].as_mut() else {
+                return Err(DetokError::UnknownRequest(id));
+            };
             if req.last_step == self.num_steps {
                 return Err(DetokError::RepeatedRequest(id));
             }
             req.last_step = self.num_steps;
+            self.step_slots.push(slot);
         }
 
         let mut outputs = StepOutputs {
             text: String::with_capacity(n * 8),
             items: Vec::with_capacity(n),
         };
-        for (i, &id) in batch.request_ids.iter().enumerate() {
+        for (i, &slot) in self.step_slots.iter().enumerate() {
             let tokens = &batch.token_ids[batch.offsets[i]..batch.offsets[i + 1]];
             let finished = batch.finished.get(i).copied().unwrap_or(false);
-            let Some(req) = self.requests.get_mut(&id) else {
+            let Some(req) = self.slots[slot].as_mut() else {
                 continue; // checked above
             };
             let item = advance(
@@ -276,7 +301,9 @@ impl Detokenizer {
             );
             outputs.items.push(item);
             if finished {
-                self.requests.remove(&id);
+                self.index.remove(&batch.request_ids[i]);
+                self.slots[slot] = None;
+                self.free_slots.push(slot);
             }
         }
         Ok(outputs)

@@ -65,6 +65,8 @@ pub enum DetokError {
     EmptyStopString(u64),
     #[error("step: request ids, token lists and finished flags differ in length")]
     BatchShape,
+    #[error("step: finished request {0} is not in the batch")]
+    FinishedNotInBatch(u64),
     #[error("the detokenizer is unusable: an earlier call panicked")]
     Poisoned,
 }

@@ -72,13 +72,9 @@ impl StopMatcher {
         for (index, stop) in self.stops.iter().enumerate() {
             // The first occurrence that ends after `min_end` starts at or after
             // `from`; occurrences may overlap, so search from there.
-            let mut from = min_end.saturating_add(1).saturating_sub(stop.len());
-            while from < window.len() && !window.is_char_boundary(from) {
-                from += 1;
-            }
-            let found = window.get(from..).and_then(|w| w.find(stop.as_str()));
-            if let Some(pos) = found {
-                let (start, end) = (from + pos, from + pos + stop.len());
+            let from = min_end.saturating_add(1).saturating_sub(stop.len());
+            if let Some(start) = find_from(window.as_bytes(), stop.as_bytes(), from) {
+                let end = start + stop.len();
                 let better = match best {
                     None => true,
                     Some((e, s, _)) => end < e || (end == e && start < s),
@@ -117,13 +113,18 @@ impl StopMatcher {
     /// Length of the longest suffix of `held` that is a proper prefix of some
     /// stop string.
     fn longest_stop_prefix_suffix(&self) -> usize {
-        let window = self.held.as_str();
+        let window = self.held.as_bytes();
+        let Some(&last) = window.last() else {
+            return 0;
+        };
         let mut best = 0;
         for stop in &self.stops {
-            // Proper prefixes, longest first, on character boundaries.
-            let longest = (stop.len() - 1).min(window.len());
+            let bytes = stop.as_bytes();
+            // Proper prefixes, longest first, that end in the window's last byte.
+            let longest = (bytes.len() - 1).min(window.len());
             for len in (best + 1..=longest).rev() {
-                if stop.is_char_boundary(len) && window.ends_with(&stop[..len]) {
+                if bytes[len - 1] == last && window.ends_with(&bytes[..len]) {
+                    // A byte-wise match of UTF-8 ends on a character boundary.
                     best = len;
                     break;
                 }
@@ -131,4 +132,13 @@ impl StopMatcher {
         }
         best
     }
+}
+
+/// Start of the first occurrence of `needle` in `hay` at or after `from`.
+/// Windows are short (held text plus one step's text), where a plain scan
+/// beats setting up a substring searcher.
+fn find_from(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
+    let (&first, rest) = needle.split_first()?;
+    let last_start = hay.len().checked_sub(needle.len())?;
+    (from..=last_start).find(|&i| hay[i] == first && &hay[i + 1..i + needle.len()] == rest)
 }

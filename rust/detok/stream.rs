@@ -84,30 +84,31 @@ impl IncrementalDecoder {
         if !self.opts.spaces_between_special_tokens && entry.is_added() {
             // Added tokens stand alone: decode(run) + content + decode(run) ...
             self.end_segment(table, out);
-            self.emit(table.text(entry.raw), out);
+            self.emit(table.raw(id), out);
             self.first = true;
             self.strip_left = self.strip.map_or(0, |(_, n)| n);
             return;
         }
-        let piece = if self.first { entry.first } else { entry.rest };
-        self.first = false;
+        let piece = if self.first {
+            self.first = false;
+            table.first(id, entry)
+        } else {
+            table.rest(entry)
+        };
         match (table.join, piece) {
             (Utf8Join::ByteRuns, Piece::Byte(b)) => self.pending.push(b),
-            (Utf8Join::ByteRuns, Piece::Bytes(span)) => {
-                self.flush_run(out);
-                self.emit(table.text(span), out);
-            }
-            (Utf8Join::Lossy, Piece::Bytes(span)) => {
-                let bytes = table.bytes(span);
-                match std::str::from_utf8(bytes) {
-                    Ok(text) if self.pending.is_empty() => self.emit(text, out),
-                    _ => {
-                        self.pending.extend_from_slice(bytes);
-                        self.drain_lossy(out);
-                    }
+            (Utf8Join::Lossy, Piece::Bytes(bytes)) => match std::str::from_utf8(bytes) {
+                Ok(text) if self.pending.is_empty() => self.emit(text, out),
+                _ => {
+                    self.pending.extend_from_slice(bytes);
+                    self.drain_lossy(out);
                 }
+            },
+            (_, Piece::Bytes(bytes)) => {
+                self.flush_run(out);
+                // Text pieces were stored from `&str`.
+                self.emit(std::str::from_utf8(bytes).unwrap_or_default(), out);
             }
-            (_, Piece::Bytes(span)) => self.emit(table.text(span), out),
             (_, Piece::Byte(_)) => unreachable!("byte pieces exist only under ByteRuns"),
         }
     }
@@ -146,32 +147,32 @@ impl IncrementalDecoder {
     /// `from_utf8_lossy`, incrementally: emits everything but an incomplete
     /// sequence at the end, which more bytes may complete.
     fn drain_lossy(&mut self, out: &mut String) {
-        let bytes = std::mem::take(&mut self.pending);
-        let mut rest = &bytes[..];
+        // Taken out (no allocation) so `emit` can borrow `self`; put back after.
+        let mut bytes = std::mem::take(&mut self.pending);
+        let mut start = 0;
         loop {
-            match std::str::from_utf8(rest) {
+            match std::str::from_utf8(&bytes[start..]) {
                 Ok(valid) => {
                     self.emit(valid, out);
-                    rest = &[];
+                    start = bytes.len();
                     break;
                 }
                 Err(err) => {
-                    let (valid, after) = rest.split_at(err.valid_up_to());
+                    let valid = &bytes[start..start + err.valid_up_to()];
                     self.emit(std::str::from_utf8(valid).unwrap_or_default(), out);
+                    start += err.valid_up_to();
                     match err.error_len() {
                         Some(n) => {
                             self.emit("\u{FFFD}", out);
-                            rest = &after[n..];
+                            start += n;
                         }
-                        None => {
-                            rest = after;
-                            break;
-                        }
+                        None => break,
                     }
                 }
             }
         }
-        self.pending = rest.to_vec();
+        bytes.drain(..start);
+        self.pending = bytes;
     }
 
     /// Appends decided text after the `Strip` decoder and the prompt shadow.

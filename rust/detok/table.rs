@@ -19,6 +19,8 @@
 //! composition (`BPEDecoder`, `CTC`, a `Strip` of trailing characters, ...) are
 //! rejected with [`DetokError::Unsupported`] rather than decoded approximately.
 
+use std::collections::HashMap;
+
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::{Decoder, Tokenizer};
 
@@ -40,16 +42,16 @@ pub enum Utf8Join {
 
 /// A byte range in [`DecodeTable::arena`].
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Span {
+struct Span {
     start: u32,
     len: u32,
 }
 
 /// What one token contributes, before joining.
 #[derive(Clone, Copy, Debug)]
-pub enum Piece {
+pub enum Piece<'a> {
     /// Text (valid UTF-8) or, under [`Utf8Join::Lossy`], raw bytes.
-    Bytes(Span),
+    Bytes(&'a [u8]),
     /// A byte-fallback token (`<0xXX>`), only under [`Utf8Join::ByteRuns`].
     Byte(u8),
 }
@@ -57,40 +59,57 @@ pub enum Piece {
 const PRESENT: u8 = 1;
 const SPECIAL: u8 = 2;
 const ADDED: u8 = 4;
+/// The piece is a byte-fallback byte, in `data[0]`.
+const BYTE: u8 = 8;
+/// The piece is longer than `INLINE` and lives in the arena (`data` holds
+/// its span).
+const LONG: u8 = 16;
 
-/// One token id's entry.
+const INLINE: usize = 14;
+
+/// One token id's hot entry: 16 bytes, holding its usual piece (at any
+/// position but the first of a decode) inline when short, so that a step
+/// touches one cache line per token.
 #[derive(Clone, Copy, Debug)]
+#[repr(C, align(16))]
 pub struct Entry {
-    /// The piece when this token is the first of a decode.
-    pub first: Piece,
-    /// The piece at any later position.
-    pub rest: Piece,
-    /// The token's own string (an added token's content).
-    pub raw: Span,
     flags: u8,
+    len: u8,
+    data: [u8; INLINE],
 }
 
 impl Entry {
     const MISSING: Entry = Entry {
-        first: Piece::Bytes(Span { start: 0, len: 0 }),
-        rest: Piece::Bytes(Span { start: 0, len: 0 }),
-        raw: Span { start: 0, len: 0 },
         flags: 0,
+        len: 0,
+        data: [0; INLINE],
     };
 
     /// Whether the id names a token at all (`decode` drops ids that don't).
+    #[inline]
     pub fn is_present(&self) -> bool {
         self.flags & PRESENT != 0
     }
     /// Whether `skip_special_tokens` removes it.
+    #[inline]
     pub fn is_special(&self) -> bool {
         self.flags & SPECIAL != 0
     }
     /// Whether it is an added token (a segment break without
     /// `spaces_between_special_tokens`).
+    #[inline]
     pub fn is_added(&self) -> bool {
         self.flags & ADDED != 0
     }
+}
+
+/// What is only needed at the first token of a decode or for added tokens.
+#[derive(Clone, Copy, Debug, Default)]
+struct ColdEntry {
+    /// The piece when the token is the first of a decode; `None` if as usual.
+    first: Option<(Span, bool)>,
+    /// The token's own string (an added token's content).
+    raw: Span,
 }
 
 /// The decode table of one tokenizer; immutable and shared by all requests.
@@ -100,6 +119,7 @@ pub struct DecodeTable {
     /// `Strip` after `Fuse`: remove up to `n` leading `char`s of a decode.
     pub strip: Option<(char, usize)>,
     entries: Vec<Entry>,
+    cold: Vec<ColdEntry>,
     arena: Vec<u8>,
 }
 
@@ -170,11 +190,11 @@ fn plan(decoder: Option<&DecoderWrapper>) -> Result<Plan, DetokError> {
 }
 
 /// GPT-2's byte <-> printable character map, inverted (char -> byte).
-fn byte_level_chars() -> std::collections::HashMap<char, u8> {
+fn byte_level_chars() -> HashMap<char, u8> {
     let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).collect();
     printable.extend(0xA1..=0xAC);
     printable.extend(0xAE..=0xFF);
-    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut map = HashMap::with_capacity(256);
     let mut n = 0;
     for b in 0u32..256 {
         let c = if printable.contains(&b) {
@@ -216,6 +236,7 @@ impl DecodeTable {
             join: plan.join,
             strip: plan.strip.filter(|&(_, n)| n > 0),
             entries: vec![Entry::MISSING; num_ids],
+            cold: vec![ColdEntry::default(); num_ids],
             arena: Vec::new(),
         };
         let vocab = tokenizer.get_added_vocabulary();
@@ -237,26 +258,41 @@ impl DecodeTable {
                 let rest = decode(vec![String::new(), token.clone()])?.swap_remove(1);
                 (first, rest)
             };
-            let first_piece = table.piece(&first, &chars);
-            let rest_piece = if rest == first {
-                first_piece
-            } else {
-                table.piece(&rest, &chars)
-            };
-            let raw = table.push(token.as_bytes());
-            let mut flags = PRESENT;
+            let mut entry = Entry::MISSING;
+            entry.flags = PRESENT;
             if vocab.is_special_token(&token) {
-                flags |= SPECIAL;
+                entry.flags |= SPECIAL;
             }
             if added.contains_key(&id) {
-                flags |= ADDED;
+                entry.flags |= ADDED;
             }
-            table.entries[id as usize] = Entry {
-                first: first_piece,
-                rest: rest_piece,
-                raw,
-                flags,
+            match table.piece_bytes(&rest, &chars) {
+                Err(byte) => {
+                    entry.flags |= BYTE;
+                    entry.data[0] = byte;
+                }
+                Ok(bytes) if bytes.len() <= INLINE => {
+                    entry.len = bytes.len() as u8;
+                    entry.data[..bytes.len()].copy_from_slice(&bytes);
+                }
+                Ok(bytes) => {
+                    let span = table.push(&bytes);
+                    entry.flags |= LONG;
+                    entry.data[..4].copy_from_slice(&span.start.to_le_bytes());
+                    entry.data[4..8].copy_from_slice(&span.len.to_le_bytes());
+                }
+            }
+            table.entries[id as usize] = entry;
+            let first = if first == rest {
+                None
+            } else {
+                Some(match table.piece_bytes(&first, &chars) {
+                    Err(byte) => (table.push(&[byte]), true),
+                    Ok(bytes) => (table.push(&bytes), false),
+                })
             };
+            let raw = table.push(token.as_bytes());
+            table.cold[id as usize] = ColdEntry { first, raw };
         }
         Ok(table)
     }
@@ -270,20 +306,20 @@ impl DecodeTable {
         span
     }
 
-    fn piece(&mut self, text: &str, chars: &std::collections::HashMap<char, u8>) -> Piece {
+    /// The bytes of a piece, or `Err(byte)` for a byte-fallback token.
+    fn piece_bytes(&self, text: &str, chars: &HashMap<char, u8>) -> Result<Vec<u8>, u8> {
         match self.join {
-            Utf8Join::Text => Piece::Bytes(self.push(text.as_bytes())),
+            Utf8Join::Text => Ok(text.as_bytes().to_vec()),
             Utf8Join::ByteRuns => match fallback_byte(text) {
-                Some(b) => Piece::Byte(b),
-                None => Piece::Bytes(self.push(text.as_bytes())),
+                Some(b) => Err(b),
+                None => Ok(text.as_bytes().to_vec()),
             },
             // `ByteLevel` maps each char back to its byte, or keeps the token's
             // own UTF-8 if any char is outside the map (e.g. added tokens).
             Utf8Join::Lossy => {
                 let mapped: Option<Vec<u8>> =
                     text.chars().map(|c| chars.get(&c).copied()).collect();
-                let bytes = mapped.unwrap_or_else(|| text.as_bytes().to_vec());
-                Piece::Bytes(self.push(&bytes))
+                Ok(mapped.unwrap_or_else(|| text.as_bytes().to_vec()))
             }
         }
     }
@@ -294,17 +330,50 @@ impl DecodeTable {
         self.entries.get(id as usize).unwrap_or(&Entry::MISSING)
     }
 
-    /// The bytes of a span.
+    /// The piece of a present token at any position but the first.
     #[inline]
-    pub fn bytes(&self, span: Span) -> &[u8] {
-        &self.arena[span.start as usize..(span.start + span.len) as usize]
+    pub fn rest<'a>(&'a self, entry: &'a Entry) -> Piece<'a> {
+        if entry.flags & BYTE != 0 {
+            Piece::Byte(entry.data[0])
+        } else if entry.flags & LONG == 0 {
+            Piece::Bytes(&entry.data[..entry.len as usize])
+        } else {
+            let word = |i: usize| {
+                u32::from_le_bytes([
+                    entry.data[i],
+                    entry.data[i + 1],
+                    entry.data[i + 2],
+                    entry.data[i + 3],
+                ])
+            };
+            self.span(Span {
+                start: word(0),
+                len: word(4),
+            })
+        }
     }
 
-    /// The text of a span (only for text pieces and raw token strings).
-    #[inline]
-    pub fn text(&self, span: Span) -> &str {
-        // Text pieces and raw strings were pushed from `&str`.
-        std::str::from_utf8(self.bytes(span)).unwrap_or_default()
+    /// The piece of a present token `id` at the first position of a decode.
+    pub fn first<'a>(&'a self, id: u32, entry: &'a Entry) -> Piece<'a> {
+        match self.cold[id as usize].first {
+            None => self.rest(entry),
+            Some((span, true)) => Piece::Byte(self.bytes(span)[0]),
+            Some((span, false)) => self.span(span),
+        }
+    }
+
+    /// The token's own string (an added token's content).
+    pub fn raw(&self, id: u32) -> &str {
+        // Raw strings were pushed from `&str`.
+        std::str::from_utf8(self.bytes(self.cold[id as usize].raw)).unwrap_or_default()
+    }
+
+    fn span(&self, span: Span) -> Piece<'_> {
+        Piece::Bytes(self.bytes(span))
+    }
+
+    fn bytes(&self, span: Span) -> &[u8] {
+        &self.arena[span.start as usize..(span.start + span.len) as usize]
     }
 
     /// Number of ids with an entry (vocabulary plus added tokens).
