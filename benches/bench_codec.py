@@ -200,15 +200,21 @@ def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
     stats = _core.SchedulerStats(**STATS)
     ts = 1_700_000_000.5
 
-    # asyncllm
+    # asyncllm: logprobs as `Logprobs` objects, built beforehand like msgspec's
+    # Structs (the engine's sampler builds them); the tuple form is a variant.
     kwargs: dict[str, Any] = {"finish_reasons": finish}
+    kwargs_tuples = dict(kwargs)
     if with_logprobs:
-        kwargs["logprobs"] = lps
+        kwargs["logprobs"] = [None if lp is None else _core.Logprobs(*lp) for lp in lps]
+        kwargs_tuples["logprobs"] = lps
 
     def ours_encode() -> bytes:
         return _core.encode_output_batch(wire_ids, tokens, stats, ts, **kwargs)
 
     frame = ours_encode()
+
+    def ours_encode_tuples() -> bytes:
+        return _core.encode_output_batch(wire_ids, tokens, stats, ts, **kwargs_tuples)
 
     def ours_decode() -> Any:
         return _core.decode_message(frame)
@@ -278,6 +284,11 @@ def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
 
     ops = {
         "asyncllm": {"encode": ours_encode, "decode": ours_decode, "decode+access": ours_access},
+        "asyncllm (tuples)": {
+            "encode": ours_encode_tuples,
+            "decode": ours_decode,
+            "decode+access": ours_access,
+        },
         "msgspec": {
             "encode": lambda: enc.encode(ms_batch),
             "decode": lambda: dec.decode(ms_frame),
@@ -295,6 +306,9 @@ def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
         },
     }
     sizes = {"asyncllm": len(frame), "msgspec": len(ms_frame), "msgspec-bytes": len(ms_frame_b)}
+    sizes["asyncllm (tuples)"] = len(frame)
+    if not with_logprobs:
+        del ops["asyncllm (tuples)"]
     sizes["pickle"] = len(pk_frame)
     name = f"output batch 256x1{' + top-5 logprobs' if with_logprobs else ''}"
     case = Case(name, ops)

@@ -7,8 +7,8 @@
 use std::hint::black_box;
 
 use asyncllm_core::protocol::{
-    decode, encode_add_requests, encode_output_batch, AddRequest, FinishReason, Logprobs,
-    OutputBatch, RequestOutput, SchedulerStats,
+    decode, decode_output_batch, encode_add_requests, encode_output_batch, AddRequest,
+    FinishReason, Logprobs, OutputBatch, RequestOutput, SchedulerStats, DEFAULT_MAX_FRAME_SIZE,
 };
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
@@ -90,6 +90,10 @@ fn bench_output_batch(c: &mut Criterion, name: &str, batch: &OutputBatch) {
         b.iter(|| encode_output_batch(black_box(batch)).unwrap())
     });
     group.bench_function("decode", |b| b.iter(|| decode(black_box(&frame)).unwrap()));
+    // What the Python view wraps: one allocation per column, not per request.
+    group.bench_function("decode_columns", |b| {
+        b.iter(|| decode_output_batch(black_box(&frame), DEFAULT_MAX_FRAME_SIZE).unwrap())
+    });
     group.finish();
 }
 

@@ -261,7 +261,7 @@ def encode_output_batch(
     stats: SchedulerStats,
     timestamp: float,
     *,
-    finish_reasons: Sequence[_FinishReason | None] | None = None,
+    finish_reasons: Sequence[str | None] | None = None,
     stop_reasons: Sequence[int | None] | None = None,
     errors: Sequence[str | None] | None = None,
     logprobs: Sequence[_LogprobsInput] | None = None,
@@ -270,7 +270,8 @@ def encode_output_batch(
     """A `MSG_OUTPUT_BATCH` frame from per-request columns: output i is
     `wire_ids[i]`, `new_token_ids[i]`, and entry i of each optional column (a
     column left as None means None for every request; one given must have one
-    entry per wire id). Logprobs entries are None, a `Logprobs`, or a
+    entry per wire id). Finish reasons are "stop", "length", "abort" or "error".
+    Logprobs entries are None, a `Logprobs` (fastest), or a
     `(token_ids, logprobs, ranks)` tuple as for the `Logprobs` constructor."""
 
 def decode_message(

@@ -1,15 +1,12 @@
 //! Decoders: the inverse of `encode.rs`. Strict about every field's type and
 //! every array's length; a frame with bytes after its body is rejected too.
 
-use super::encode::{
-    ADD_REQUEST_FIELDS, LOGPROBS_FIELDS, OUTPUT_BATCH_FIELDS, READY_FIELDS, REQUEST_OUTPUT_FIELDS,
-    STATS_FIELDS,
-};
+use super::columns::read_output_batch_columns;
+use super::encode::{ADD_REQUEST_FIELDS, LOGPROBS_FIELDS, READY_FIELDS, STATS_FIELDS};
 use super::error::{WireError, WireResult};
 use super::frame::{split_frame, DEFAULT_MAX_FRAME_SIZE};
 use super::messages::{
-    AddRequest, FinishReason, Logprobs, Message, MessageType, OutputBatch, Ready, RequestOutput,
-    SchedulerStats,
+    AddRequest, FinishReason, Logprobs, Message, MessageType, Ready, SchedulerStats,
 };
 use super::reader::Reader;
 use super::value::read_value;
@@ -39,7 +36,9 @@ pub fn decode_with_limit(frame: &[u8], max_frame_size: usize) -> WireResult<Mess
             r.expect_array(0, "Shutdown")?;
             Message::Shutdown
         }
-        MessageType::OutputBatch => Message::OutputBatch(read_output_batch(&mut r)?),
+        MessageType::OutputBatch => {
+            Message::OutputBatch(read_output_batch_columns(&mut r)?.into_batch())
+        }
     };
     if r.remaining() != 0 {
         return Err(WireError::TrailingBytes {
@@ -127,41 +126,10 @@ fn read_ready(r: &mut Reader<'_>) -> WireResult<Ready> {
     })
 }
 
-fn read_output_batch(r: &mut Reader<'_>) -> WireResult<OutputBatch> {
-    r.expect_array(OUTPUT_BATCH_FIELDS, "OutputBatch")?;
-    let n = r.array_len("OutputBatch.outputs")?;
-    let mut outputs = Vec::with_capacity(n);
-    for i in 0..n {
-        outputs.push(
-            read_request_output(r).map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?,
-        );
-    }
-    let stats = read_stats(r).map_err(|e| e.within("OutputBatch.stats"))?;
-    let timestamp = r.f64("OutputBatch.timestamp")?;
-    Ok(OutputBatch {
-        outputs,
-        stats,
-        timestamp,
-    })
-}
-
-fn read_request_output(r: &mut Reader<'_>) -> WireResult<RequestOutput> {
-    r.expect_array(REQUEST_OUTPUT_FIELDS, "")?;
-    Ok(RequestOutput {
-        wire_id: r.u64("wire_id")?,
-        new_token_ids: r.u32s("new_token_ids")?,
-        finish_reason: r.opt(read_finish_reason)?,
-        stop_reason: r.opt(|r| r.u32("stop_reason"))?,
-        error: r.opt(|r| r.str("error").map(str::to_string))?,
-        logprobs: read_opt_logprobs(r, &LOGPROBS_PATHS)?,
-        prompt_logprobs: read_opt_logprobs(r, &PROMPT_LOGPROBS_PATHS)?,
-    })
-}
-
 /// Field paths of a `Logprobs` in errors: the whole, then each field.
-type LogprobsPaths = [&'static str; LOGPROBS_FIELDS + 1];
+pub(super) type LogprobsPaths = [&'static str; LOGPROBS_FIELDS + 1];
 
-const LOGPROBS_PATHS: LogprobsPaths = [
+pub(super) const LOGPROBS_PATHS: LogprobsPaths = [
     "logprobs",
     "logprobs.num_positions",
     "logprobs.width",
@@ -169,7 +137,7 @@ const LOGPROBS_PATHS: LogprobsPaths = [
     "logprobs.logprobs",
     "logprobs.ranks",
 ];
-const PROMPT_LOGPROBS_PATHS: LogprobsPaths = [
+pub(super) const PROMPT_LOGPROBS_PATHS: LogprobsPaths = [
     "prompt_logprobs",
     "prompt_logprobs.num_positions",
     "prompt_logprobs.width",
@@ -178,14 +146,17 @@ const PROMPT_LOGPROBS_PATHS: LogprobsPaths = [
     "prompt_logprobs.ranks",
 ];
 
-fn read_finish_reason(r: &mut Reader<'_>) -> WireResult<FinishReason> {
+pub(super) fn read_finish_reason(r: &mut Reader<'_>) -> WireResult<FinishReason> {
     let code = r.u8("finish_reason")?;
     FinishReason::from_u8(code).ok_or_else(|| {
         WireError::malformed("finish_reason", format!("unknown finish reason {code}"))
     })
 }
 
-fn read_opt_logprobs(r: &mut Reader<'_>, paths: &LogprobsPaths) -> WireResult<Option<Logprobs>> {
+pub(super) fn read_opt_logprobs(
+    r: &mut Reader<'_>,
+    paths: &LogprobsPaths,
+) -> WireResult<Option<Logprobs>> {
     if r.try_nil() {
         return Ok(None);
     }
@@ -202,7 +173,7 @@ fn read_opt_logprobs(r: &mut Reader<'_>, paths: &LogprobsPaths) -> WireResult<Op
     Ok(Some(lp))
 }
 
-fn read_stats(r: &mut Reader<'_>) -> WireResult<SchedulerStats> {
+pub(super) fn read_stats(r: &mut Reader<'_>) -> WireResult<SchedulerStats> {
     r.expect_array(STATS_FIELDS, "")?;
     Ok(SchedulerStats {
         num_running: r.u32("num_running")?,

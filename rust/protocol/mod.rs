@@ -28,6 +28,7 @@
 //! Golden frames of every message live in `tests/fixtures/wire/`; the Rust and
 //! the Python tests both decode them.
 
+mod columns;
 mod decode;
 mod encode;
 mod error;
@@ -40,6 +41,7 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
+pub use columns::{decode_output_batch, OutputBatchColumns};
 pub use decode::{decode, decode_with_limit};
 pub use encode::{
     encode, encode_abort, encode_add_requests, encode_add_requests_in, encode_engine_error,

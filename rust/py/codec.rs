@@ -159,7 +159,7 @@ fn decode_message<'py>(
     let message = if let Ok(bytes) = frame.cast::<PyBytes>() {
         // `bytes` is immutable, so reading it without the GIL is sound.
         let data = bytes.as_bytes();
-        py.detach(|| protocol::decode_with_limit(data, max_frame_size).map(prepare))
+        py.detach(|| decode_prepared(data, max_frame_size))
     } else {
         // Other buffers (bytearray, memoryview, zmq frames) may change under us:
         // copy first. The size check comes before the copy.
@@ -177,13 +177,13 @@ fn decode_message<'py>(
             }));
         }
         let data = buffer.to_vec(py)?;
-        py.detach(|| protocol::decode_with_limit(&data, max_frame_size).map(prepare))
+        py.detach(|| decode_prepared(&data, max_frame_size))
     }
     .map_err(wire_err)?;
     let (message_type, payload) = match message {
         Decoded::OutputBatch(batch) => (
             MessageType::OutputBatch as u8,
-            Bound::new(py, batch)?.into_any(),
+            Bound::new(py, *batch)?.into_any(),
         ),
         Decoded::Other(message) => (message.message_type() as u8, message_to_py(py, message)?),
     };
@@ -192,15 +192,18 @@ fn decode_message<'py>(
 
 /// A decoded message, with an output batch already wrapped (done while detached).
 enum Decoded {
-    OutputBatch(PyOutputBatch),
+    OutputBatch(Box<PyOutputBatch>),
     Other(Message),
 }
 
-fn prepare(message: Message) -> Decoded {
-    match message {
-        Message::OutputBatch(batch) => Decoded::OutputBatch(PyOutputBatch::new(batch)),
-        other => Decoded::Other(other),
+/// Decodes a frame; an output batch goes straight into columns and its view.
+fn decode_prepared(frame: &[u8], max_frame_size: usize) -> Result<Decoded, WireError> {
+    let (message_type, _) = protocol::split_frame(frame, max_frame_size)?;
+    if message_type == MessageType::OutputBatch {
+        let columns = protocol::decode_output_batch(frame, max_frame_size)?;
+        return Ok(Decoded::OutputBatch(Box::new(PyOutputBatch::new(columns))));
     }
+    protocol::decode_with_limit(frame, max_frame_size).map(Decoded::Other)
 }
 
 fn message_to_py(py: Python<'_>, message: Message) -> PyResult<Bound<'_, PyAny>> {
@@ -229,7 +232,7 @@ fn message_to_py(py: Python<'_>, message: Message) -> PyResult<Bound<'_, PyAny>>
         Message::Ready(ready) => Bound::new(py, PyReady(ready))?.into_any(),
         Message::EngineError { message } => message.into_pyobject(py)?.into_any(),
         Message::Shutdown => py.None().into_bound(py),
-        Message::OutputBatch(batch) => Bound::new(py, PyOutputBatch::new(batch))?.into_any(),
+        Message::OutputBatch(batch) => Bound::new(py, PyOutputBatch::new(batch.into()))?.into_any(),
     })
 }
 

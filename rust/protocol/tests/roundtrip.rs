@@ -228,3 +228,33 @@ fn values_nested_too_deep_are_not_encoded() {
     let err = encode_utility_call(1, "m", &v).unwrap_err().to_string();
     assert!(err.contains("nest deeper than 64"), "{err}");
 }
+
+#[test]
+fn output_batches_decode_into_columns() {
+    let mut rng = Rng::new(21);
+    for _ in 0..500 {
+        let batch = random_output_batch(&mut rng);
+        let frame = encode_output_batch(&batch).unwrap();
+        let columns = decode_output_batch(&frame, DEFAULT_MAX_FRAME_SIZE).unwrap();
+        for i in 0..columns.len() {
+            assert_eq!(columns.new_token_ids(i), batch.outputs[i].new_token_ids);
+        }
+        // Same bytes back through the owned form (bit-exact, NaNs included).
+        assert_eq!(
+            encode_output_batch(&columns.clone().into_batch()).unwrap(),
+            frame
+        );
+        #[allow(clippy::eq_op)]
+        if batch == batch {
+            assert_eq!(columns, OutputBatchColumns::from(batch));
+        }
+    }
+    let err = decode_output_batch(&encode_shutdown(), DEFAULT_MAX_FRAME_SIZE).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "malformed frame: frame header: expected an OutputBatch frame, found Shutdown"
+    );
+    let mut frame = encode_output_batch(&OutputBatch::default()).unwrap();
+    frame.push(0);
+    assert!(decode_output_batch(&frame, DEFAULT_MAX_FRAME_SIZE).is_err());
+}

@@ -287,9 +287,9 @@ pub fn encode_output_batch<'py>(
 /// exists in Python until `new_token_ids(i)` or `all_new_token_ids()` is called.
 #[pyclass(frozen, module = "asyncllm._core", name = "OutputBatch")]
 pub struct PyOutputBatch {
-    batch: protocol::OutputBatch,
+    batch: protocol::OutputBatchColumns,
     /// Each output's logprobs, moved out of `batch` into `Arc`s so that a
-    /// `Logprobs` view shares them instead of copying.
+    /// `Logprobs` view shares them instead of copying; empty when none has any.
     logprobs: Vec<Option<Arc<protocol::Logprobs>>>,
     prompt_logprobs: Vec<Option<Arc<protocol::Logprobs>>>,
 }
@@ -297,16 +297,17 @@ pub struct PyOutputBatch {
 impl PyOutputBatch {
     /// Wraps a decoded batch (call it without the GIL: it moves every output's
     /// logprobs).
-    pub fn new(mut batch: protocol::OutputBatch) -> PyOutputBatch {
-        let mut take = |f: fn(&mut protocol::RequestOutput) -> &mut Option<protocol::Logprobs>| {
-            if batch.outputs.iter_mut().all(|o| f(o).is_none()) {
+    pub fn new(mut batch: protocol::OutputBatchColumns) -> PyOutputBatch {
+        fn share(
+            column: &mut Vec<Option<protocol::Logprobs>>,
+        ) -> Vec<Option<Arc<protocol::Logprobs>>> {
+            if column.iter().all(Option::is_none) {
                 return Vec::new();
             }
-            let outputs = batch.outputs.iter_mut();
-            outputs.map(|o| f(o).take().map(Arc::new)).collect()
-        };
-        let logprobs = take(|o| &mut o.logprobs);
-        let prompt_logprobs = take(|o| &mut o.prompt_logprobs);
+            column.drain(..).map(|lp| lp.map(Arc::new)).collect()
+        }
+        let logprobs = share(&mut batch.logprobs);
+        let prompt_logprobs = share(&mut batch.prompt_logprobs);
         PyOutputBatch {
             batch,
             logprobs,
@@ -315,7 +316,7 @@ impl PyOutputBatch {
     }
 
     fn index(&self, i: isize) -> PyResult<usize> {
-        let n = self.batch.outputs.len() as isize;
+        let n = self.batch.len() as isize;
         let j = if i < 0 { i + n } else { i };
         if j < 0 || j >= n {
             return Err(pyo3::exceptions::PyIndexError::new_err(format!(
@@ -329,36 +330,31 @@ impl PyOutputBatch {
 #[pymethods]
 impl PyOutputBatch {
     fn __len__(&self) -> usize {
-        self.batch.outputs.len()
+        self.batch.len()
     }
 
     #[getter]
     fn wire_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.batch.outputs.iter().map(|o| o.wire_id))
+        PyList::new(py, &self.batch.wire_ids)
     }
 
     /// The new token ids of output `i`.
     fn new_token_ids<'py>(&self, py: Python<'py>, i: isize) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, &self.batch.outputs[self.index(i)?].new_token_ids)
+        PyList::new(py, self.batch.new_token_ids(self.index(i)?))
     }
 
     /// The new token ids of every output, one list each.
     fn all_new_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let lists = self
-            .batch
-            .outputs
-            .iter()
-            .map(|o| PyList::new(py, &o.new_token_ids))
+        let lists = (0..self.batch.len())
+            .map(|i| PyList::new(py, self.batch.new_token_ids(i)))
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, lists)
     }
 
     #[getter]
     fn num_new_tokens(&self) -> Vec<usize> {
-        self.batch
-            .outputs
-            .iter()
-            .map(|o| o.new_token_ids.len())
+        (0..self.batch.len())
+            .map(|i| self.batch.new_token_ids(i).len())
             .collect()
     }
 
@@ -367,28 +363,28 @@ impl PyOutputBatch {
         PyList::new(
             py,
             self.batch
-                .outputs
+                .finish_reasons
                 .iter()
-                .map(|o| o.finish_reason.map(|r| finish_reason_str(py, r).clone())),
+                .map(|r| r.map(|r| finish_reason_str(py, r).clone())),
         )
     }
 
     #[getter]
     fn stop_reasons(&self) -> Vec<Option<u32>> {
-        self.batch.outputs.iter().map(|o| o.stop_reason).collect()
+        self.batch.stop_reasons.clone()
     }
 
     #[getter]
     fn errors(&self) -> Vec<Option<String>> {
-        self.batch.outputs.iter().map(|o| o.error.clone()).collect()
+        self.batch.errors.clone()
     }
 
     /// Indices of the outputs whose request finished in this step.
     #[getter]
     fn finished_indices(&self) -> Vec<usize> {
-        let outputs = self.batch.outputs.iter().enumerate();
-        outputs
-            .filter(|(_, o)| o.finish_reason.is_some())
+        let reasons = self.batch.finish_reasons.iter().enumerate();
+        reasons
+            .filter(|(_, r)| r.is_some())
             .map(|(i, _)| i)
             .collect()
     }
@@ -418,7 +414,7 @@ impl PyOutputBatch {
     fn __repr__(&self) -> String {
         format!(
             "OutputBatch(len={}, timestamp={})",
-            self.batch.outputs.len(),
+            self.batch.len(),
             self.batch.timestamp
         )
     }
