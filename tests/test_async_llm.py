@@ -79,7 +79,10 @@ def test_256_streams_match_an_in_process_run(model_dir):
         engine = engine_for(model_dir)
         try:
             results = await asyncio.gather(
-                *(collect(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params)))
+                *(
+                    collect(engine, p, sp, f"r{i}")
+                    for i, (p, sp) in enumerate(zip(prompts, params, strict=False))
+                )
             )
             stats = await wait_idle(engine)
         finally:
@@ -101,10 +104,10 @@ def test_256_streams_match_an_in_process_run(model_dir):
 
 
 def test_abort_cancel_close_and_n_children_free_everything(model_dir):
-    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
     async def main():
-        engine = engine_for(model_dir, max_model_len=4096)
+        engine = engine_for(model_dir, max_model_len=1024)
         try:
             # 1. explicit abort
             gen = engine.generate([1, 5, 6, 7], long, "aborted")
@@ -130,9 +133,9 @@ def test_abort_cancel_close_and_n_children_free_everything(model_dir):
             await gen.aclose()
             # 4. n > 1, aborted mid-stream
             gen = engine.generate(
-                [1, 12, 13], SamplingParams(n=3, max_tokens=2000, ignore_eos=True, seed=1), "fanout"
+                [1, 12, 13], SamplingParams(n=3, max_tokens=900, ignore_eos=True, seed=1), "fanout"
             )
-            out = await gen.__anext__()
+            await gen.__anext__()
             await engine.abort("fanout")
             final = [o async for o in gen][-1]
             assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 3
@@ -211,8 +214,8 @@ def test_invalid_requests_and_malformed_frames_fail_alone(model_dir):
 
 def test_kill_9_fails_every_stream_within_a_second(model_dir):
     async def main():
-        engine = engine_for(model_dir, max_model_len=4096)
-        long = SamplingParams(max_tokens=3000, ignore_eos=True)
+        engine = engine_for(model_dir, max_model_len=1024)
+        long = SamplingParams(max_tokens=1000, ignore_eos=True)
         errors = []
 
         async def consume(i):

@@ -269,10 +269,12 @@ def _describe(exc: BaseException) -> str:
 def _watch_parent() -> None:
     """Exit when the front end goes away: it holds the write end of our stdin, so
     EOF here means it has died (or closed it on purpose). No orphans."""
+    # os.read, not sys.stdin: a buffered reader's lock held by this daemon thread
+    # would abort the interpreter's shutdown.
     try:
-        while sys.stdin.buffer.read(1024):
+        while os.read(0, 1024):
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
     logger.info("front-end process is gone; engine core exiting")
     os._exit(0)

@@ -11,6 +11,7 @@ in the core. If the core dies, every waiting `generate()` raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import weakref
@@ -219,10 +220,8 @@ class AsyncLLM:
         if loop is None:
             self._fail_all(error)
             return
-        try:
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._fail_all, error)
-        except RuntimeError:
-            pass
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error
@@ -246,7 +245,5 @@ class AsyncLLM:
                 if collector is not None:
                     collector.put(out)
             if stopped:
-                try:
+                with contextlib.suppress(EngineDeadError):
                     self.client.abort_requests(stopped)
-                except EngineDeadError:
-                    pass
