@@ -410,7 +410,11 @@ class Detokenizer:
 # problem raises ValueError. The GIL is released while a kernel computes, so other
 # threads must not write to its buffers meanwhile.
 
-from typing_extensions import Buffer as _Buffer  # noqa: E402
+import numpy as _np  # noqa: E402
+from typing_extensions import Buffer as _PyBuffer  # noqa: E402
+
+# numpy's stubs declare the buffer protocol only for Python >= 3.12.
+_Buffer = _PyBuffer | _np.ndarray
 
 def paged_decode_attention(
     out: _Buffer,
