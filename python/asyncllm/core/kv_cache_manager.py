@@ -82,6 +82,22 @@ class KVCacheManager:
             added.extend(new)
         return added
 
+    def allocate_decode_blocks(self, requests: list[Request]) -> dict[int, list[int]] | None:
+        """One new block for each of `requests`, running decodes whose computed
+        tokens exactly fill their blocks (the next token starts a new one). Returns
+        request id -> [new block id], or None when the pool is too small (nothing
+        is changed then). The all-decode fast path of `Scheduler.schedule`."""
+        if len(requests) > self.pool.num_free_blocks:
+            return None
+        new = self.pool.get_new_blocks(len(requests))
+        req_to_blocks = self.req_to_blocks
+        out = {}
+        for request, block in zip(requests, new, strict=True):
+            rid = request.request_id
+            req_to_blocks[rid].append(block)
+            out[rid] = [block.block_id]
+        return out
+
     def cache_blocks(self, request: Request) -> None:
         """Register the request's blocks that its computed tokens now fill, so
         later requests can share them. Called after each step that computed tokens."""

@@ -63,6 +63,7 @@ class Request:
         "block_hashes",
         "num_preemptions",
         "num_cached_prompt_tokens",
+        "max_num_tokens",
     )
 
     def __init__(
@@ -87,6 +88,8 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         wanted = sampling_params.max_tokens
         self.max_tokens = room if wanted is None else min(wanted, room)
+        # the length at which it stops for max_tokens: one compare per decode
+        self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         stops = set(sampling_params.stop_token_ids or ())
         if not sampling_params.ignore_eos:
             stops.update(eos_token_ids)
@@ -100,7 +103,7 @@ class Request:
         self.block_hashes: list[BlockHash] | None = [] if hash_blocks else None
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
-        self._hash_full_blocks()
+        self.hash_full_blocks()
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +128,7 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         if self.block_hashes is not None and len(self.all_token_ids) % self.block_size == 0:
-            self._hash_full_blocks()
+            self.hash_full_blocks()
 
     def check_stop(self, token_id: int) -> bool:
         """Called after `token_id` was appended; marks the request finished if it
@@ -140,7 +143,8 @@ class Request:
             return True
         return False
 
-    def _hash_full_blocks(self) -> None:
+    def hash_full_blocks(self) -> None:
+        """Append the prefix-cache key of every full block not hashed yet."""
         hashes = self.block_hashes
         if hashes is None:
             return

@@ -38,6 +38,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests that left since the last schedule(); the runner drops them.
         self._finished_ids: set[int] = set()
+        # True when every running request has exactly one token to compute (its
+        # last sampled one): the next step is all decodes, so `schedule` can skip
+        # the per-request allocation arithmetic. Set by `update_from_output`.
+        self._all_decode = False
+        self._all_running_scheduled = False
 
     # -- admission and removal ------------------------------------------------
 
@@ -84,6 +89,18 @@ class Scheduler:
         # 1. Running requests, oldest first; the newest are preempted when needed.
         running = self.running
         i = 0
+        if self._all_decode and len(running) <= budget:
+            # Fast path: one token each; only requests whose computed tokens fill
+            # their blocks exactly need a block (a block table holds exactly
+            # ceil(num_computed_tokens / block_size) blocks after every step).
+            bs = kv.block_size
+            need = [r for r in running if not r.num_computed_tokens % bs]
+            added_ids = kv.allocate_decode_blocks(need) if need else {}
+            if added_ids is not None:
+                new_block_ids = added_ids
+                num_scheduled = dict.fromkeys([r.request_id for r in running], 1)
+                budget -= len(running)
+                i = len(running)
         while i < len(running) and budget > 0:
             request = running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -104,6 +121,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             i += 1
+
+        self._all_running_scheduled = i == len(running)
 
         # 2. Waiting requests, in order, while budget, seats and blocks last.
         waiting = self.waiting
@@ -157,26 +176,42 @@ class Scheduler:
         not), in batch order, and whether any of them finished."""
         kv = self.kv_cache
         requests = self.requests
+        bs = kv.block_size
+        caching = kv.enable_caching
+        cache_blocks = kv.cache_blocks
         stepped: list[Request] = []
+        append = stepped.append
         finished = False
+        num_unsampled = 0
+        # The one per-request loop of the step: keep it to attribute reads, and
+        # call out only when a block fills or a stop is possible.
         for rid, num in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None:
                 continue  # aborted after scheduling
-            request.num_computed_tokens += num
-            kv.cache_blocks(request)
+            computed = request.num_computed_tokens = request.num_computed_tokens + num
+            if caching and (num > 1 or not computed % bs):
+                cache_blocks(request)  # a block filled: share it through the prefix cache
             token = sampled.get(rid)
             if token is None:
+                num_unsampled += 1
                 continue  # mid-prompt chunk: nothing sampled yet
-            request.append_output_token(token)
-            if request.check_stop(token):
+            tokens = request.all_token_ids
+            tokens.append(token)
+            n = len(tokens)
+            if not n % bs and request.block_hashes is not None:
+                request.hash_full_blocks()
+            if (n >= request.max_num_tokens or token in request.stop_token_ids) and (
+                request.check_stop(token)
+            ):
                 finished = True
-            stepped.append(request)
+            append(request)
         if finished:
             for request in stepped:
                 if request.is_finished:
                     self.running.remove(request)
                     self._free(request)
+        self._all_decode = self._all_running_scheduled and num_unsampled == 0
         return stepped, finished
 
     def make_stats(self) -> SchedulerStats:

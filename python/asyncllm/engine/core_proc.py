@@ -65,7 +65,10 @@ class EngineCoreProc:
         self.ctx = context or zmq.Context.instance()
         self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue(_INPUT_QUEUE_SIZE)
         self.output_queue: queue.Queue[Any] = queue.Queue(_OUTPUT_QUEUE_SIZE)
+        # Per step with outputs: the cost of handing them to the output thread,
+        # and, separately, how long a full output queue made the loop wait.
         self.handoff_times: deque[float] = deque(maxlen=20000)
+        self.backpressure_waits: deque[float] = deque(maxlen=20000)
         self._shutdown = False
         self.core: EngineCore | None = None
         # The output thread comes first, so a start-up failure can still be reported.
@@ -98,17 +101,29 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         core = self.core
         assert core is not None
-        out_queue = self.output_queue
-        handoff = self.handoff_times
+        put_nowait = self.output_queue.put_nowait
+        put = self.output_queue.put
+        handoff = self.handoff_times.append
+        backpressure = self.backpressure_waits.append
+        has_unfinished = core.scheduler.has_unfinished_requests
+        pending_inputs = self.input_queue.queue  # its deque: read without the lock
         while not self._shutdown:
-            self._process_inputs(block=not core.has_unfinished_requests())
-            if self._shutdown or not core.has_unfinished_requests():
-                continue
+            if pending_inputs or not has_unfinished():
+                self._process_inputs(block=not has_unfinished())
+                if self._shutdown or not has_unfinished():
+                    continue
             outputs = core.step()
             if outputs.req_ids:
                 t0 = perf_counter()
-                out_queue.put(outputs)  # blocks when the front end lags: back-pressure
-                handoff.append(perf_counter() - t0)
+                try:
+                    put_nowait(outputs)
+                except queue.Full:  # the front end lags: wait for it (back-pressure)
+                    t1 = perf_counter()
+                    put(outputs)
+                    waited = perf_counter() - t1
+                    backpressure(waited)
+                    t0 += waited  # the hand-off's cost, without the wait
+                handoff(perf_counter() - t0)
 
     def _process_inputs(self, block: bool) -> None:
         q = self.input_queue
@@ -174,9 +189,11 @@ class EngineCoreProc:
         if method == "get_step_timings":
             timings = list(core.step_timings)
             handoff = list(self.handoff_times)
+            backpressure = list(self.backpressure_waits)
             if args and args.get("clear"):
                 core.step_timings.clear()
                 self.handoff_times.clear()
+                self.backpressure_waits.clear()
             return {
                 "start": [t[0] for t in timings],
                 "schedule": [t[1] for t in timings],
@@ -184,6 +201,7 @@ class EngineCoreProc:
                 "update": [t[3] for t in timings],
                 "num_outputs": [t[4] for t in timings],
                 "handoff": handoff,
+                "backpressure": backpressure,
             }
         raise ValueError(f"unknown utility method {method!r}")
 

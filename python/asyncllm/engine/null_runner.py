@@ -19,7 +19,8 @@ _FIRST_TOKEN = 3  # stay clear of the usual special ids (pad, bos, eos)
 
 
 def null_token(req_id: int, position: int, vocab_size: int) -> int:
-    """The token the null runner samples for a request at a position."""
+    """The token the null runner samples for a request at a position (inlined in
+    `execute_model`)."""
     return _FIRST_TOKEN + (req_id * 7919 + position * 104729) % (vocab_size - _FIRST_TOKEN)
 
 
@@ -43,11 +44,11 @@ class NullModelRunner:
         if self.delay_s:
             time.sleep(self.delay_s)
         sampled = {}
-        vocab = self.vocab_size
+        vocab = self.vocab_size - _FIRST_TOKEN
         for rid, n in so.num_scheduled_tokens.items():
             state = progress[rid]
-            state[0] += n
-            if state[0] == state[1]:
-                sampled[rid] = null_token(rid, state[1], vocab)
-                state[1] += 1
+            done = state[0] = state[0] + n
+            if done == state[1]:
+                sampled[rid] = _FIRST_TOKEN + (rid * 7919 + done * 104729) % vocab
+                state[1] = done + 1
         return ModelRunnerOutput(sampled=sampled)
