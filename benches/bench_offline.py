@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import mean, median
+from statistics import median
 
 import torch
 
@@ -40,39 +40,34 @@ def workload(name: str, num: int, seed: int = 0) -> tuple[list[list[int]], list[
     return prompts, outs
 
 
-def run_engine(model_dir: Path, prompts, outs, threads: int) -> dict:
+def run_engine(model_dir: Path, prompts, outs) -> dict:
+    """The user's path: `LLM` with its engine core in its own process."""
     from asyncllm import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096)
-    engine = llm.engine
-    step_times: list[tuple[float, int, bool]] = []
-    original = engine.step
-    sched = engine.core.scheduler
-
-    def timed_step():
-        decode_only = (
-            all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
-            and not sched.waiting
-        )
-        batch = len(sched.running)
+    with LLM(str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096) as llm:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
         t0 = time.perf_counter()
-        result = original()
-        step_times.append((time.perf_counter() - t0, batch, decode_only))
-        return result
-
-    engine.step = timed_step  # type: ignore[method-assign]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
-    t0 = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+        results = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        timings = llm.engine.call_utility("get_step_timings")
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert tokens == sum(outs)
-    decode256 = [t for t, b, d in step_times if d and b == 256]
+    # the core's own timers: steps that decoded all 256 requests at once
+    full = [
+        s + e + u
+        for s, e, u, n in zip(
+            timings["schedule"],
+            timings["execute"],
+            timings["update"],
+            timings["num_outputs"],
+            strict=True,
+        )
+        if n == 256
+    ]
     return {
         "elapsed_s": elapsed,
         "tokens_per_s": tokens / elapsed,
-        "decode256_step_ms_mean": 1e3 * mean(decode256) if decode256 else None,
-        "num_decode256_steps": len(decode256),
+        "decode256_step_ms": 1e3 * median(full) if full else None,
     }
 
 
@@ -81,7 +76,13 @@ def paired_decode_vs_floor(model_dir: Path, context: int, repeats: int) -> dict:
     in one loop so that load from elsewhere hits both alike."""
     from asyncllm import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=8192)
+    llm = LLM(
+        str(model_dir),
+        multiprocess=False,  # timed step by step in this process
+        dtype="float32",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
     engine = llm.engine
     prompt_len = 32
     prompts, _ = workload("fixed", 256, seed=1)
@@ -156,7 +157,7 @@ def main() -> None:
             model_dir = build_model(model_name, Path(tmp))
             for wl in args.workloads:
                 prompts, outs = workload(wl, args.num_requests)
-                eng = [run_engine(model_dir, prompts, outs, threads) for _ in range(args.repeats)]
+                eng = [run_engine(model_dir, prompts, outs) for _ in range(args.repeats)]
                 row = {
                     "model": model_name,
                     "workload": wl,
@@ -166,7 +167,7 @@ def main() -> None:
                     hf = [run_transformers(model_dir, prompts, outs) for _ in range(args.repeats)]
                     row["hf_tok_s"] = median(r["tokens_per_s"] for r in hf)
                     row["ratio"] = row["engine_tok_s"] / row["hf_tok_s"]
-                steps = [r["decode256_step_ms_mean"] for r in eng if r["decode256_step_ms_mean"]]
+                steps = [r["decode256_step_ms"] for r in eng if r["decode256_step_ms"]]
                 if steps:
                     row["decode256_step_ms"] = median(steps)
                 if wl == "fixed":
@@ -178,7 +179,7 @@ def main() -> None:
     print(f"torch threads: {threads}; medians of {args.repeats} runs")
     print(
         "| model | workload | asyncllm tok/s | transformers tok/s | ratio "
-        "| mean decode step ms (b=256) | paired: engine step ms | floor ms | engine/floor |"
+        "| decode step ms (b=256, core timers) | paired: engine step ms | floor ms | engine/floor |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
