@@ -8,7 +8,9 @@ prompts. For each: encode, decode, and decode + access (every field turned into
 Python objects, as a consumer would: msgspec and pickle build them while decoding,
 the asyncllm view builds them on access).
 
-Competitors: asyncllm `_core` (columns in, `bytes` out; a lazy `OutputBatch` view);
+Competitors: asyncllm `_core` (columns in, `bytes` out; a lazy `OutputBatch` view;
+variants: new token ids passed flat, one per request, and logprobs passed as
+tuples of lists instead of prebuilt `Logprobs`);
 msgspec typed Structs (`array_like=True, omit_defaults=True, gc=False`, as vLLM's
 engine messages) with token lists as lists of ints, and a variant with token and
 logprob arrays as raw bytes (`array` to/from lists included in build/access);
@@ -17,10 +19,17 @@ start from ready columns / Structs / tuples.
 
 Reported: median microseconds per operation over `--reps` repetitions and the
 ratio to msgspec (lists) measured in the same run. msgspec and pickle hold the GIL
-for their whole time. asyncllm holds it only to extract arguments and wrap results:
-that share is this script's time minus the pure-Rust time of the same work in
-`cargo bench --bench codec` (benches/RESULTS.md puts the two side by side); that
-the byte work really runs without the GIL is asserted by tests/test_codec.py.
+for their whole time. asyncllm holds it only to extract arguments and to wrap the
+result; the "GIL held" table measures those parts directly, in this process:
+
+- encode: the same call made to fail on the last entry of the last column it
+  extracts (so every argument has been extracted, nothing encoded; includes
+  raising the error), plus copying a frame of that size into a new `bytes`;
+- decode: decoding a frame of the same message with nothing in its arrays (the
+  view is lazy, so wrapping costs the same for any batch); for AddRequests, 256
+  requests with empty prompts (one object per request is built either way).
+
+That the byte work itself runs without the GIL is asserted by tests/test_codec.py.
 """
 
 from __future__ import annotations
@@ -175,11 +184,31 @@ def from_f32(raw: bytes) -> list[float]:
 
 
 class Case:
-    """One data set and the encode/decode/access operations of each competitor."""
+    """One data set and the encode/decode/access operations of each competitor,
+    and the probes that time asyncllm's GIL-held parts (see the module doc)."""
 
     def __init__(self, name: str, ops: dict[str, dict[str, Callable[[], Any]]]) -> None:
         self.name = name
         self.ops = ops
+        self.sizes: dict[str, int] = {}
+        self.gil_probes: dict[str, Callable[[], Any]] = {}
+
+
+def failing(call: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            call()
+        except _core.WireError:
+            return
+        raise AssertionError("the probe was meant to fail")
+
+    return run
+
+
+def copy_probe(size: int) -> Callable[[], Any]:
+    """Copying `size` bytes into a new bytes object, as the encoders do."""
+    source = bytearray(size)
+    return lambda: bytes(source)
 
 
 def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
@@ -215,6 +244,11 @@ def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
 
     def ours_encode_tuples() -> bytes:
         return _core.encode_output_batch(wire_ids, tokens, stats, ts, **kwargs_tuples)
+
+    flat_tokens = [t[0] for t in tokens]  # one new token per request: the flat form
+
+    def ours_encode_flat() -> bytes:
+        return _core.encode_output_batch(wire_ids, flat_tokens, stats, ts, **kwargs)
 
     def ours_decode() -> Any:
         return _core.decode_message(frame)
@@ -289,6 +323,11 @@ def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
             "decode": ours_decode,
             "decode+access": ours_access,
         },
+        "asyncllm (flat ids)": {
+            "encode": ours_encode_flat,
+            "decode": ours_decode,
+            "decode+access": ours_access,
+        },
         "msgspec": {
             "encode": lambda: enc.encode(ms_batch),
             "decode": lambda: dec.decode(ms_frame),
@@ -306,13 +345,26 @@ def output_batch_case(rng: random.Random, with_logprobs: bool) -> Case:
         },
     }
     sizes = {"asyncllm": len(frame), "msgspec": len(ms_frame), "msgspec-bytes": len(ms_frame_b)}
-    sizes["asyncllm (tuples)"] = len(frame)
-    if not with_logprobs:
-        del ops["asyncllm (tuples)"]
+    sizes["asyncllm (tuples)"] = sizes["asyncllm (flat ids)"] = len(frame)
+    assert ours_encode_flat() == frame
+    del ops["asyncllm (flat ids)" if with_logprobs else "asyncllm (tuples)"]
     sizes["pickle"] = len(pk_frame)
     name = f"output batch 256x1{' + top-5 logprobs' if with_logprobs else ''}"
     case = Case(name, ops)
-    case.sizes = sizes  # type: ignore[attr-defined]
+    case.sizes = sizes
+
+    # The last column extracted is prompt_logprobs: its last entry is invalid.
+    bad_last = dict(kwargs, prompt_logprobs=[None] * (n - 1) + ["bad"])
+    case.gil_probes["encode: extract"] = failing(
+        lambda: _core.encode_output_batch(wire_ids, tokens, stats, ts, **bad_last)
+    )
+    if not with_logprobs:
+        case.gil_probes["encode: extract (flat ids)"] = failing(
+            lambda: _core.encode_output_batch(wire_ids, flat_tokens, stats, ts, **bad_last)
+        )
+    case.gil_probes["encode: copy into bytes"] = copy_probe(len(frame))
+    empty = _core.encode_output_batch([], [], stats, ts)
+    case.gil_probes["decode: wrap"] = lambda: _core.decode_message(empty)
     return case
 
 
@@ -390,12 +442,16 @@ def add_requests_case(rng: random.Random) -> Case:
         },
     }
     case = Case("AddRequests burst 256x512", ops)
-    case.sizes = {  # type: ignore[attr-defined]
+    case.sizes = {
         "asyncllm": len(frame),
         "msgspec": len(ms_frame),
         "msgspec-bytes": len(ms_frame_b),
         "pickle": len(pk_frame),
     }
+    case.gil_probes["encode: extract"] = failing(lambda: _core.encode_add_requests([*ours, None]))
+    case.gil_probes["encode: copy into bytes"] = copy_probe(len(frame))
+    hollow = _core.encode_add_requests([_core.AddRequest(i, []) for i in range(NUM_REQUESTS)])
+    case.gil_probes["decode: wrap"] = lambda: _core.decode_message(hollow)
     return case
 
 
@@ -437,8 +493,12 @@ def main() -> None:
             base = median_us(case.ops["msgspec"][op_name], args.reps)
             for impl, ops in case.ops.items():
                 t = base if impl == "msgspec" else median_us(ops[op_name], args.reps)
-                size = case.sizes[impl]  # type: ignore[attr-defined]
+                size = case.sizes[impl]
                 print(f"| {op_name} | {impl} | {t:.1f} | {t / base:.2f} | {size} |")
+        print("\n| asyncllm, GIL held | median µs |")
+        print("|---|---:|")
+        for probe_name, probe in case.gil_probes.items():
+            print(f"| {probe_name} | {median_us(probe, args.reps):.1f} |")
 
 
 if __name__ == "__main__":

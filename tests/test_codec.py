@@ -298,6 +298,22 @@ def test_output_batch_accepts_buffers_and_negative_indices() -> None:
         encode_output_batch([1], [np.array([-1], dtype=np.int32)], SchedulerStats(), 0.0)
 
 
+def test_output_batch_flat_token_ids_give_one_per_request() -> None:
+    stats = SchedulerStats()
+    nested = encode_output_batch([1, 2, 3], [[7], [8], [9]], stats, 0.0)
+    assert encode_output_batch([1, 2, 3], [7, 8, 9], stats, 0.0) == nested
+    with pytest.raises(WireError, match=r"new_token_ids: has 2 entries, expected 3"):
+        encode_output_batch([1, 2, 3], [7, 8], stats, 0.0)
+    with pytest.raises(WireError, match=r"new_token_ids\[1\]: expected an int in 0..2\^32"):
+        encode_output_batch([1, 2], [7, [8]], stats, 0.0)  # type: ignore[arg-type]
+    np = pytest.importorskip("numpy")
+    for dtype in (np.int32, np.int64, np.uint32):
+        flat = np.array([7, 8, 9], dtype=dtype)
+        assert encode_output_batch(np.array([1, 2, 3]), flat, stats, 0.0) == nested
+    with pytest.raises(WireError, match=r"a flat sequence of 6 ids, expected one per wire id"):
+        encode_output_batch([1, 2, 3], np.zeros((3, 2), dtype=np.int64), stats, 0.0)
+
+
 def random_value(rng: random.Random, depth: int = 0) -> Any:
     kinds = 7 if depth >= 3 else 9
     kind = rng.randrange(kinds)
@@ -669,7 +685,7 @@ def test_encode_argument_errors_name_the_field() -> None:
             "cannot encode OutputBatch.wire_ids[0]: expected an int in 0..2^64, got int -1",
         ),
         (
-            lambda: encode_output_batch([1], [["a"]], stats, 0.0),  # type: ignore[list-item]
+            lambda: encode_output_batch([1], [["a"]], stats, 0.0),  # type: ignore[arg-type]
             "cannot encode OutputBatch.new_token_ids[0][0]: expected an int in 0..2^32, got str",
         ),
         (

@@ -257,7 +257,7 @@ def encode_shutdown() -> bytes:
 
 def encode_output_batch(
     wire_ids: _Ints,
-    new_token_ids: Sequence[_Ints],
+    new_token_ids: Sequence[_Ints] | _Ints,
     stats: SchedulerStats,
     timestamp: float,
     *,
@@ -270,8 +270,11 @@ def encode_output_batch(
     """A `MSG_OUTPUT_BATCH` frame from per-request columns: output i is
     `wire_ids[i]`, `new_token_ids[i]`, and entry i of each optional column (a
     column left as None means None for every request; one given must have one
-    entry per wire id). Finish reasons are "stop", "length", "abort" or "error".
-    Logprobs entries are None, a `Logprobs` (fastest), or a
+    entry per wire id). `new_token_ids` may also be flat, one id per request (a
+    list of ints or an integer buffer such as a 1-D numpy array): the common
+    decode step, and the cheapest to extract. Finish reasons are "stop",
+    "length", "abort" or "error". Logprobs entries are None, a `Logprobs`
+    (fastest), or a
     `(token_ids, logprobs, ranks)` tuple as for the `Logprobs` constructor."""
 
 def decode_message(

@@ -199,6 +199,7 @@ fn extract_columns(
     c.token_ids.reserve(n);
     extract::nested_u32s_into(
         new_token_ids,
+        n,
         &mut c.token_ids,
         &mut c.token_offsets,
         &tokens_path,

@@ -215,12 +215,33 @@ fn read_list<T>(
 /// the new token ids of a batch. A list of lists of exact ints is read with
 /// borrowed references only (no Python code can run there, so nothing can free
 /// them); anything else goes through `u32s_into` with owned references.
+///
+/// A flat sequence of ints instead (a list of ints or an integer buffer such as
+/// a 1-D numpy array) gives each of the `n` requests exactly one id: the common
+/// decode step, without building a list per request.
 pub fn nested_u32s_into(
     outer: &Bound<'_, PyAny>,
+    n: usize,
     out: &mut Vec<u32>,
     ends: &mut Vec<usize>,
     path: &dyn Fn() -> String,
 ) -> Result<(), WireError> {
+    if exact_list(outer).is_none() && !outer.is_instance_of::<PyTuple>() {
+        if let Some(values) = int_buffer(outer, path)? {
+            out.extend(values);
+            return one_each(n, out, ends, path);
+        }
+    }
+    if let Some(list) = exact_list(outer) {
+        // SAFETY: the GIL is held; index 0 is checked against the length.
+        let first_is_int = !list.is_empty()
+            && unsafe { ffi::Py_TYPE(ffi::PyList_GetItem(list.as_ptr(), 0)) }
+                == addr_of_mut!(ffi::PyLong_Type);
+        if first_is_int {
+            u32s_into(outer, out, path)?;
+            return one_each(n, out, ends, path);
+        }
+    }
     let Some(outer) = exact_list(outer) else {
         return for_each(outer, path, |i, inner| {
             u32s_into(inner, out, &|| format!("{}[{i}]", path()))?;
@@ -250,6 +271,26 @@ pub fn nested_u32s_into(
         ends.push(out.len());
         i += 1;
     }
+    Ok(())
+}
+
+/// The flat form: the ids just appended to `out` are one per request; there
+/// must be `n` of them (`ends` holds the ends before them).
+fn one_each(
+    n: usize,
+    out: &[u32],
+    ends: &mut Vec<usize>,
+    path: &dyn Fn() -> String,
+) -> Result<(), WireError> {
+    let start = ends.last().copied().unwrap_or(0);
+    let count = out.len() - start;
+    if count != n {
+        return Err(WireError::encode(
+            path(),
+            format!("a flat sequence of {count} ids, expected one per wire id ({n})"),
+        ));
+    }
+    ends.extend(start + 1..=start + n);
     Ok(())
 }
 
