@@ -15,6 +15,7 @@ sends is READY or, when start-up fails, ENGINE_ERROR with the root cause.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import queue
@@ -90,6 +91,11 @@ class EngineCoreProc:
             vocab_size=core.vocab_size,
             eos_token_ids=sorted(core.eos_token_ids),
         )
+        # Everything built so far (the model, torch's modules) lives as long as the
+        # process: keep it out of the cyclic GC, whose full collections would
+        # otherwise walk it and stall the busy loop for many milliseconds.
+        gc.collect()
+        gc.freeze()
         self.output_queue.put(_core.encode_ready(ready))
         self._input_thread = threading.Thread(
             target=self._input_loop, args=(input_addr,), name="core-input", daemon=True

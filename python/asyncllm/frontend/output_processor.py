@@ -29,10 +29,11 @@ class ParentState:
     children: list[ChildState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when the core rejected a child
+    num_finished: int = 0  # children with a finish reason (counted by `_forget`)
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+        return self.num_finished == len(self.children)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class OutputProcessor:
         finished_ids = {wire_ids[i] for i in finished_idx} if finished_idx else set()
         finish_reasons = batch.finish_reasons if finished_idx else None
         idx: Sequence[int] = range(len(wire_ids))
-        if not all(w in children for w in wire_ids):  # some ended in the front end already
+        if not children.keys() >= set(wire_ids):  # some ended in the front end already
             idx = [i for i, w in enumerate(wire_ids) if w in children]
             if not idx:
                 return [], []
@@ -163,45 +164,49 @@ class OutputProcessor:
         return [self._make_output(p) for p in due.values()]
 
     def _forget(self, child: ChildState) -> None:
+        """Called once per child, right after its finish reason was set."""
         del self.children[child.core_id]
+        child.parent.num_finished += 1
         if child.logprobs is not None or child.parent.params.prompt_logprobs is not None:
             self._num_with_logprobs -= 1
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
-        params = parent.params
-        delta = params.output_kind == RequestOutputKind.DELTA
-        finished = parent.finished
+        # Runs once per request per step: positional constructors, and a delta's
+        # slices are new lists already (no second copy).
+        delta = parent.params.output_kind == RequestOutputKind.DELTA
         completions = []
         for child in parent.children:
-            text = child.text
-            tokens, logprobs = child.token_ids, child.logprobs
+            text, tokens, logprobs = child.text, child.token_ids, child.logprobs
+            num_tokens = len(tokens)
             if delta:
                 new_text = text[child.num_sent_chars :]
-                tokens = tokens[child.num_sent_tokens :]
+                new_tokens = tokens[child.num_sent_tokens :]
                 if logprobs is not None:
                     logprobs = logprobs[child.num_sent_tokens :]
             else:
-                new_text = text
+                new_text, new_tokens = text, list(tokens)
+                if logprobs is not None:
+                    logprobs = list(logprobs)
             child.num_sent_chars = len(text)
-            child.num_sent_tokens = len(child.token_ids)
+            child.num_sent_tokens = num_tokens
             completions.append(
                 CompletionOutput(
-                    index=child.index,
-                    text=new_text,
-                    token_ids=list(tokens),
-                    cumulative_logprob=child.cumulative_logprob,
-                    logprobs=list(logprobs) if logprobs is not None else None,
-                    finish_reason=child.finish_reason,
-                    stop_reason=child.stop_reason,
+                    child.index,
+                    new_text,
+                    new_tokens,
+                    child.cumulative_logprob,
+                    logprobs,
+                    child.finish_reason,
+                    child.stop_reason,
                 )
             )
         return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            prompt_logprobs=parent.prompt_logprobs,
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            completions,
+            parent.finished,
+            parent.prompt_logprobs,
         )
 
     def _append_logprobs(self, child: ChildState, lp: Logprobs, num: int) -> None:
