@@ -1,0 +1,205 @@
+"""The `asyncllm` command: `serve`, `generate` and `bench`.
+
+Every `EngineArgs` field is a flag (`--max-num-seqs`, `--enable-prefix-caching /
+--no-enable-prefix-caching`, ...), generated from the dataclass so none can be
+forgotten; `ENGINE_HELP` documents each (a test checks that all have help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from asyncllm.config import DEVICES, DTYPES, EXECUTORS, EngineArgs
+from asyncllm.errors import AsyncLLMError
+
+ENGINE_HELP: dict[str, str] = {
+    "tokenizer": "directory with tokenizer.json (default: the model directory)",
+    "dtype": f"weights and activations dtype, one of {', '.join(DTYPES)}",
+    "device": f"where the model runs, one of {', '.join(DEVICES)}",
+    "block_size": "tokens per KV-cache block (a power of two)",
+    "kv_cache_memory_gib": "KV-cache size in GiB (exclusive with --num-kv-blocks)",
+    "num_kv_blocks": "KV-cache size in blocks (exclusive with --kv-cache-memory-gib)",
+    "max_num_seqs": "most requests in one running batch",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
+    "max_model_len": "context length (default: the model's)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "seed": "seed of the engine's random state",
+    "executor": f"model executor, one of {', '.join(EXECUTORS)} ('null' runs no model)",
+    "null_step_delay_ms": "simulated step time of the null executor, in ms",
+}
+_CHOICES = {"dtype": DTYPES, "device": DEVICES, "executor": EXECUTORS}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL and one flag per `EngineArgs` field."""
+    parser.add_argument("model", help="local Hugging Face model directory")
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = ENGINE_HELP.get(f.name, f"EngineArgs.{f.name}")
+        default = f.default
+        type_name = str(f.type)
+        if type_name.startswith("bool"):
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+            continue
+        kind: Any = str
+        if type_name.startswith("int"):
+            kind = int
+        elif type_name.startswith("float"):
+            kind = float
+        group.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            choices=_CHOICES.get(f.name),
+            help=f"{help_text} (default: {default})",
+        )
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = [f.name for f in dataclasses.fields(EngineArgs)]
+    return EngineArgs.from_kwargs(**{name: getattr(ns, name) for name in names})
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the model path)",
+    )
+    s.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="generation requests served at once; more get HTTP 429 (default: no limit)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template file (default: the tokenizer_config.json one)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may finish after SIGTERM before being aborted",
+    )
+    s.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats log lines while busy (0: never)",
+    )
+    s.add_argument("--log-level", default="info", help="server log level (default: info)")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from asyncllm.server.launch import run_server
+    from asyncllm.server.serving_base import ServerConfig
+
+    if ns.max_concurrent_requests is not None and ns.max_concurrent_requests < 1:
+        raise SystemExit("--max-concurrent-requests must be >= 1")
+    config = ServerConfig(
+        served_model_names=ns.served_model_name or [ns.model],
+        api_key=ns.api_key,
+        max_concurrent_requests=ns.max_concurrent_requests,
+        chat_template=ns.chat_template,
+        shutdown_timeout=ns.shutdown_timeout,
+        stats_interval=ns.stats_interval,
+    )
+    return run_server(
+        engine_args_from(ns),
+        config,
+        ns.host,
+        ns.port,
+        log_level=ns.log_level,
+        access_log=ns.access_log,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default: 1)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k best (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="minimum relative probability")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+
+
+def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
+    from asyncllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+        **extra,
+    )
+
+
+def _generate_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate from prompts on the command line")
+    add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt, streamed to the terminal")
+    src.add_argument(
+        "--prompts-file", help="a file with one prompt per line ('-': stdin), run as a batch"
+    )
+    add_sampling_args(p)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncllm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    from asyncllm.server import bench
+
+    bench.add_parser(sub)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(ns, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if ns.command == "serve":
+            return _serve(ns)
+        if ns.command == "generate":
+            from asyncllm.server.generate import run_generate
+
+            return run_generate(ns)
+        return bench.run(ns)
+    except AsyncLLMError as exc:
+        print(f"asyncllm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

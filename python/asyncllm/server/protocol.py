@@ -1,0 +1,254 @@
+"""OpenAI request bodies as pydantic models, their mapping to `SamplingParams`,
+and `APIError`, which every handler raises to answer with OpenAI's error JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from asyncllm.errors import ConfigError
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {message, type, param, code}}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> bytes:
+        error = {
+            "message": self.message,
+            "type": _ERROR_TYPES.get(self.status, "APIError"),
+            "param": self.param,
+            "code": self.code if self.code is not None else self.status,
+        }
+        return json.dumps({"error": error}).encode()
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_request_error")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The sampling fields both endpoints share (OpenAI's names plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options needs stream to be true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        renames: dict[str, str] | None = None,
+    ) -> SamplingParams:
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "seed": self.seed,
+            "stop": self.stop if self.stop != [] else None,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return to_sampling_params(kwargs, renames or {})
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        self.check_unsupported()
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of must equal n (no best-of search)", "best_of")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it: content parts joined into text."""
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request("only text content parts are supported", "messages")
+                texts.append(part["text"])
+            data["content"] = "\n".join(texts)
+        elif self.content is None:
+            data["content"] = ""
+        return data
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        self.check_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("only response_format type 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        renames = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return self._sampling_params(max_tokens, logprobs, None, renames)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+M = TypeVar("M", bound=BaseModel)
+_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+
+
+def to_sampling_params(kwargs: dict[str, Any], renames: dict[str, str]) -> SamplingParams:
+    """SamplingParams(**kwargs), its ConfigError turned into a 400 naming the field
+    as the request spelled it."""
+    try:
+        return SamplingParams(**kwargs)
+    except ConfigError as exc:
+        match = _FIELD.search(str(exc))
+        name = match.group(1) if match else None
+        param = renames.get(name, name) if name else None
+        message = str(exc).replace("SamplingParams.", "")
+        raise bad_request(message, param) from None
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    """Validate a JSON body; a 400 names the first offending parameter."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = first["loc"]
+        param = str(loc[0]) if loc else None  # the rest names union members, not fields
+        kind = first["type"]
+        if kind == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {first['msg']}") from None
+        raise bad_request(f"{param or 'body'}: {first['msg']}", param) from None
+
+
+FinishReason = Literal["stop", "length", "abort"]

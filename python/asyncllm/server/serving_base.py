@@ -1,0 +1,172 @@
+"""What the completions and chat endpoints share: the served model's names, prompt
+length checks, error mapping, in-flight tracking (for shutdown), metrics per
+request, and merging the streams of several prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.frontend.async_llm import AsyncLLM
+from asyncllm.outputs import Logprob, RequestOutput
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.server.metrics import RequestTimer, ServerMetrics
+from asyncllm.server.protocol import APIError, bad_request
+
+
+@dataclass
+class ServerConfig:
+    """The server's own settings (the engine's are `EngineArgs`)."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_concurrent_requests: int | None = None
+    chat_template: str | None = None
+    shutdown_timeout: float = 10.0
+    stats_interval: float = 10.0
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.model_name = config.served_model_names[0]
+        self.max_model_len = engine.max_model_len
+        self.in_flight: set[str] = set()  # engine request ids, aborted on shutdown
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"{', '.join(self.config.served_model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_engine(self) -> None:
+        if self.engine.errored:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+
+    def max_tokens_for(
+        self, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str
+    ) -> int:
+        """The max_tokens to run with: the request's, or all the room left."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(
+                413,
+                f"the prompt has {prompt_len} tokens but this model's context is "
+                f"{self.max_model_len} tokens (at most {self.max_model_len - 1} for the prompt)",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return room
+        if isinstance(max_tokens, int) and max_tokens > room:
+            raise bad_request(
+                f"{param}={max_tokens} is too large: the prompt has {prompt_len} tokens and the "
+                f"context is {self.max_model_len}, so at most {room} tokens can be generated",
+                param,
+            )
+        return max_tokens
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        prompt_text: str | None,
+        params: SamplingParams,
+        request_id: str,
+        timer: RequestTimer,
+    ) -> AsyncIterator[RequestOutput]:
+        """`AsyncLLM.generate` with metrics and in-flight tracking; engine errors
+        become APIErrors. Closing it (a disconnect) aborts the request."""
+        reasons: list[str | None] = [None] * params.n
+        self.in_flight.add(request_id)
+        try:
+            prompt = {"prompt_token_ids": prompt_ids, "prompt": prompt_text}
+            async for out in self.engine.generate(prompt, params, request_id):
+                new = 0
+                for c in out.outputs:
+                    new += len(c.token_ids)
+                    if c.finish_reason is not None:
+                        reasons[c.index] = c.finish_reason
+                timer.on_output(new)
+                yield out
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from None
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc)) from None
+        finally:
+            self.in_flight.discard(request_id)
+            timer.on_finish(reasons)
+
+    async def abort_all(self) -> None:
+        for request_id in list(self.in_flight):
+            await self.engine.abort(request_id)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def top_entries(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The `num` most likely tokens of one position, most likely first."""
+    if num <= 0:
+        return []
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num]
+
+
+def token_str(token_id: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else str(token_id)
+
+
+_END = object()
+
+
+async def merge_streams(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """Items of several streams as they come (the prompts of one request)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
