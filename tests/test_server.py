@@ -1,0 +1,401 @@
+"""The OpenAI-compatible server as a real process on 127.0.0.1, driven by the
+official `openai` client: outputs equal the engine's for the same seed, usage and
+logprobs shapes, every error status, abort on disconnect, /health, /metrics,
+graceful SIGTERM and `asyncllm bench serving`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from asyncllm import LLM, EngineArgs, SamplingParams
+from asyncllm.server.cli import ENGINE_HELP, add_engine_args, engine_args_from, main
+from tiny_models import make_tiny_model
+
+openai = pytest.importorskip("openai")
+parser = pytest.importorskip("prometheus_client.parser")
+
+pytestmark = pytest.mark.timeout(120)
+
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+MAX_CONCURRENT = 4
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`asyncllm serve` in a subprocess, up once /health answers 200."""
+
+    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", str(model_dir)]
+        cmd += ["--port", str(self.port), "--dtype", "float32", "--served-model-name", MODEL]
+        self.log = log
+        self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [*cmd, *extra], stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 90
+        while http_status(self.url + "/health") != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def children(self) -> list[int]:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        return self.proc.returncode
+
+
+def http_status(url: str, headers: dict[str, str] | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10):
+            return 200
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def get_text(url: str, headers: dict[str, str] | None = None) -> str:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """Every sample of /metrics by name (labels dropped: one model)."""
+    samples = {}
+    for family in parser.text_string_to_metric_families(get_text(server.url + "/metrics", AUTH)):
+        for s in family.samples:
+            key = s.name
+            if "finished_reason" in s.labels:
+                key += "{" + s.labels["finished_reason"] + "}"
+            if "le" not in s.labels:
+                samples[key] = s.value
+    return samples
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", tokenizer="llama-2")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    template = tmp / "template.jinja"
+    template.write_text(TEMPLATE)
+    srv = Server(
+        model_dir,
+        tmp / "server.log",
+        "--chat-template",
+        str(template),
+        "--api-key",
+        API_KEY,
+        "--max-concurrent-requests",
+        str(MAX_CONCURRENT),
+    )
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(str(model_dir), multiprocess=False, dtype="float32")
+    yield llm
+    llm.shutdown()
+
+
+def test_completions_match_the_engine(client, reference):
+    kw = dict(temperature=0.8, seed=7, max_tokens=8)
+    want = reference.generate(["Hello, my name is"], SamplingParams(**kw), use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt="Hello, my name is", **kw)
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.choices[0].finish_reason == "length"
+    assert got.object == "text_completion" and got.model == MODEL
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == 8
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 8
+
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Hello, my name is",
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_matches_the_engine(client, reference):
+    messages = [{"role": "user", "content": "Say something."}]
+    text = "<s><|user|>Say something.\n<|assistant|>"  # TEMPLATE, rendered by hand
+    ids = reference.get_tokenizer().encode(text, add_special_tokens=False)
+    kw = dict(temperature=1.0, seed=3, max_tokens=6)
+    want = reference.generate([ids], SamplingParams(**kw), use_tqdm=False)[0].outputs[0].text
+
+    got = client.chat.completions.create(model=MODEL, messages=messages, **kw)
+    assert got.choices[0].message.content == want
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 6
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_logprobs_shapes(client):
+    out = client.completions.create(
+        model=MODEL, prompt="The sky", n=2, max_tokens=5, logprobs=3, seed=1, echo=True
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 10
+    for c in out.choices:
+        assert c.text.startswith("The sky")
+        lp = c.logprobs
+        assert (
+            len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        )
+        assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+        assert all(len(t) == 3 for t in lp.top_logprobs[1:])
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert len(chat.choices) == 2
+    for c in chat.choices:
+        assert len(c.logprobs.content) == 4
+        for entry in c.logprobs.content:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_error_statuses(server, client):
+    url = server.url
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+    assert bad.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.completions.create(model=MODEL, prompt=[5] * 2000, max_tokens=1)
+    assert too_long.value.status_code == 413
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5000)
+    assert bad.value.body["param"] == "max_tokens"
+
+    bad_key = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    assert http_status(url + "/v1/models") == 401
+    assert http_status(url + "/metrics") == 401
+    assert http_status(url + "/health") == 200  # open without a key
+
+    status, body = post(url + "/v1/completions", {"prompt": "x", "n": 0}, AUTH)
+    assert status == 400 and body["error"]["param"] == "n"
+    # ... and it keeps serving
+    assert (
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens
+        == 1
+    )
+
+
+def test_disconnect_aborts_and_limit_answers_429(server, client):
+    before = scrape(server)
+    streams = [
+        client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=900, stream=True, extra_body={"ignore_eos": True}
+        )
+        for _ in range(MAX_CONCURRENT)
+    ]
+    for s in streams:
+        next(iter(s))  # each request is running
+    assert scrape(server)["asyncllm:num_requests_running"] == MAX_CONCURRENT
+    with pytest.raises(openai.RateLimitError) as limited:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert limited.value.response.headers["retry-after"]
+    for s in streams:
+        s.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(server)
+        if after["asyncllm:num_requests_running"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert after["asyncllm:num_requests_running"] == 0
+    assert after["asyncllm:num_requests_waiting"] == 0
+    assert after["asyncllm:kv_cache_usage_perc"] == 0.0
+    aborted = after.get("asyncllm:request_success_total{abort}", 0)
+    assert aborted - before.get("asyncllm:request_success_total{abort}", 0) == MAX_CONCURRENT
+    # the slots are free again
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+def test_metrics_count_requests(server, client):
+    before = scrape(server)
+    client.completions.create(
+        model=MODEL, prompt="Count me", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    after = scrape(server)
+    assert (
+        after["asyncllm:generation_tokens_total"] - before["asyncllm:generation_tokens_total"] == 3
+    )
+    assert (
+        after["asyncllm:request_success_total{length}"]
+        == before["asyncllm:request_success_total{length}"] + 1
+    )
+    assert (
+        after["asyncllm:e2e_request_latency_seconds_count"]
+        > before["asyncllm:e2e_request_latency_seconds_count"]
+    )
+    assert after["asyncllm:time_to_first_token_seconds_count"] > 0
+    assert after["asyncllm:prefix_cache_queries_total"] > 0
+
+
+def test_models_tokenize_version(server, client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    status, body = post(
+        server.url + "/tokenize", {"prompt": "Hello", "add_special_tokens": False}, AUTH
+    )
+    assert status == 200 and body["count"] == len(body["tokens"])
+    status, back = post(server.url + "/detokenize", {"tokens": body["tokens"]}, AUTH)
+    assert status == 200 and back["prompt"] == "Hello"
+    assert json.loads(get_text(server.url + "/version", AUTH))["version"]
+
+
+def test_bench_serving_reports_figures(server, capsys):
+    argv = ["bench", "serving", "--base-url", server.url, "--api-key", API_KEY]
+    argv += ["--num-prompts", "4", "--output-len", "4", "--max-concurrency", "2", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 16
+    assert result["ttft_ms"]["median"] > 0 and result["itl_ms"]["p99"] > 0
+
+
+def test_no_template_then_sigterm_during_streaming(model_dir, tmp_path):
+    srv = Server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert "chat template" in bad.value.message
+        children = srv.children()
+        assert children  # the engine core
+        stream = client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=900, stream=True, extra_body={"ignore_eos": True}
+        )
+        it = iter(stream)
+        next(it)
+        srv.proc.send_signal(signal.SIGTERM)
+        rest = list(it)  # ends: aborted after the grace period
+        assert rest[-1].choices[0].finish_reason == "abort"
+        assert srv.proc.wait(30) == 0
+        for pid in children:
+            assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
+    finally:
+        srv.stop()
+
+
+def test_dead_engine_answers_503_and_exits_1(model_dir, tmp_path):
+    srv = Server(model_dir, tmp_path / "server.log")
+    try:
+        (core,) = srv.children()
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while http_status(srv.url + "/health") != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http_status(srv.url + "/health") == 503
+        status, body = post(srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 503 and body["error"]["code"] == "engine_dead"
+    finally:
+        assert srv.stop() == 1
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_every_engine_arg_is_a_documented_flag():
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    assert names == set(ENGINE_HELP)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["m", "--max-num-seqs", "8", "--no-enable-prefix-caching"])
+    args = engine_args_from(ns)
+    assert args.max_num_seqs == 8 and args.enable_prefix_caching is False
