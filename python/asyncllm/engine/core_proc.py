@@ -338,4 +338,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: everything is closed already, and extension
+    # modules loaded by torch report spurious "leaks" while tearing down.
+    os._exit(code)

@@ -8,7 +8,8 @@ loading costs one read of the weights and nothing else.
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,40 @@ from safetensors import safe_open
 from asyncllm.errors import ModelLoadError
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.registry import get_model_class
+
+_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "trunc_normal_",
+    "zeros_",
+    "ones_",
+    "constant_",
+)
+
+
+@contextmanager
+def _uninitialised(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Build modules straight on `device` in `dtype` with their parameters left
+    uninitialised, since the checkpoint overwrites every one of them. (The meta
+    device would do the same, but its first use imports torch's compiler stack,
+    which costs seconds of start-up.)"""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    old_dtype = torch.get_default_dtype()
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,9 +68,8 @@ def load_model(
     path = Path(model_dir)
     model_cls = get_model_class(hf_config)
     locations = _tensor_locations(path)
-    with torch.device("meta"):
+    with _uninitialised(dtype, device):
         model = model_cls(hf_config)
-    model = model.to(dtype).to_empty(device=device)  # the cast is free on meta
     sources: dict[str, list[str]] = model.weight_sources()  # type: ignore[operator]
     params = dict(model.named_parameters())
 
