@@ -301,6 +301,26 @@ def test_disconnect_aborts_and_limit_answers_429(server, client):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
 
 
+def test_disconnect_mid_request_aborts(server):
+    body = json.dumps({"prompt": "Once", "max_tokens": 900, "ignore_eos": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}"
+        f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 10
+        while scrape(server)["asyncllm:num_requests_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    # the socket is closed: a non-streamed request is aborted too
+    deadline = time.monotonic() + 10
+    while scrape(server)["asyncllm:num_requests_running"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert scrape(server)["asyncllm:kv_cache_usage_perc"] == 0.0
+
+
 def test_metrics_count_requests(server, client):
     before = scrape(server)
     client.completions.create(
