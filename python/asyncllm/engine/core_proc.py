@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             proc.close()
+        # Deliver what the output socket still holds (READY's successor or the
+        # ENGINE_ERROR frame) before the process ends: term() waits out the linger.
+        zmq.Context.instance().term()
 
 
 if __name__ == "__main__":
