@@ -113,9 +113,10 @@ class EngineCore:
         self, req_ids: list[int], reason: str, errors: list[str | None] | None = None
     ) -> StepOutputs:
         """Outputs that end requests outside a step (aborted, or failed alone)."""
+        no_tokens: list[list[int]] = [[] for _ in req_ids]
         return StepOutputs(
             req_ids,
-            [[] for _ in req_ids],
+            no_tokens,
             self.scheduler.make_stats(),
             time.time(),
             finish_reasons=[reason] * len(req_ids),
@@ -140,7 +141,7 @@ class EngineCore:
         req_ids = [r.request_id for r in stepped]
         out = StepOutputs(
             req_ids,
-            [[r.all_token_ids[-1]] for r in stepped],
+            [r.all_token_ids[-1] for r in stepped],  # flat: one new token each
             scheduler.make_stats(),
             time.time(),
         )

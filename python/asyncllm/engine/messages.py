@@ -32,7 +32,9 @@ class StepOutputs:
     optional column is None when no request has a value in it."""
 
     req_ids: list[int]
-    new_token_ids: list[list[int]]
+    # per request a list of new ids, or flat (one int per request), which a step
+    # always is and which encodes cheapest
+    new_token_ids: list[list[int]] | list[int]
     stats: SchedulerStats
     timestamp: float
     finish_reasons: list[str | None] | None = None  # "stop", "length", "abort", "error"
