@@ -72,38 +72,39 @@ def run_engine(model_dir: Path, prompts, outs) -> dict:
 
 
 def paired_decode_vs_floor(model_dir: Path, context: int, repeats: int) -> dict:
-    """The engine's decode step at batch 256 against the floor, timed alternately
-    in one loop so that load from elsewhere hits both alike."""
-    from asyncllm import LLM, SamplingParams
+    """The engine core's decode step at batch 256 (schedule, input preparation,
+    forward, sampling, update, output columns: all that runs between two forward
+    passes in the core process; detokenizing is the front-end process's work)
+    against the floor, timed alternately in one loop so that load from elsewhere
+    hits both alike."""
+    from asyncllm import EngineArgs, SamplingParams
+    from asyncllm.engine.core_proc import _build_core
+    from asyncllm.engine.messages import EngineCoreRequest
 
-    llm = LLM(
-        str(model_dir),
-        multiprocess=False,  # timed step by step in this process
-        dtype="float32",
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
+    core = _build_core(
+        EngineArgs(
+            model=str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=8192
+        )
     )
-    engine = llm.engine
-    prompt_len = 32
     prompts, _ = workload("fixed", 256, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=context + repeats + 8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt[:prompt_len], params)
-    engine.step()  # the prefill
-    while engine.core.scheduler.running[0].num_tokens < context:
-        engine.step()
+        core.add_request(EngineCoreRequest(i, prompt[:32], params))
+    core.step()  # the prefill
+    while core.scheduler.running[0].num_tokens < context:
+        core.step()
     floor = FloorDecode(str(model_dir), 256, context + repeats // 2)
     floor.step()
     eng_t, floor_t = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        engine.step()
+        core.step()
         t1 = time.perf_counter()
         floor.step()
         t2 = time.perf_counter()
         eng_t.append(t1 - t0)
         floor_t.append(t2 - t1)
-    engine.abort_request([str(i) for i in range(256)])
+    assert all(len(r.output_token_ids) > 0 for r in core.scheduler.running)
     return {
         "engine_step_ms": 1e3 * median(eng_t),
         "floor_step_ms": 1e3 * median(floor_t),
