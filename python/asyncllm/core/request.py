@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Any
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -56,7 +55,6 @@ class Request:
         "stop_token_ids",
         "status",
         "stop_reason",
-        "error",
         "arrival_time",
         "priority",
         "block_size",
@@ -96,7 +94,6 @@ class Request:
         self.stop_token_ids = frozenset(stops)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
-        self.error: str | None = None
         self.arrival_time = arrival_time
         self.priority = priority
         self.block_size = block_size
@@ -161,6 +158,3 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
-
-    def __lt__(self, other: Any) -> bool:  # for priority queues: priority, then arrival
-        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)
