@@ -199,3 +199,21 @@ def test_block_hashes_follow_generated_tokens():
     assert len(req.block_hashes) == 2
     other = make_request("s", [1] * 6 + [2, 3])
     assert other.block_hashes == req.block_hashes
+
+
+def test_queue_time_observed_once_per_request_at_first_admission():
+    import time
+
+    sched = make_scheduler(num_blocks=6, budget=64)
+    for rid in ("a", "b"):
+        req = make_request(rid, [1] * 8, max_tokens=8)
+        req.arrival_time = time.time() - 2.0  # arrived two seconds ago
+        sched.add_request(req)
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.num_preemptions >= 1  # a preempted request is not counted again
+    hist = sched.queue_time
+    assert hist.count == 2
+    assert 4.0 <= hist.sum < 6.0
+    assert hist.cumulative()[-1] == 2
+    assert hist.cumulative()[5] == 0 and hist.cumulative()[6] == 2  # in the (2.0, 2.5] bucket

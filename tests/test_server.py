@@ -340,6 +340,12 @@ def test_metrics_count_requests(server, client):
     )
     assert after["asyncllm:time_to_first_token_seconds_count"] > 0
     assert after["asyncllm:prefix_cache_queries_total"] > 0
+    # queue time is measured in the core's scheduler, once per admitted request
+    assert (
+        after["asyncllm:request_queue_time_seconds_count"]
+        == before["asyncllm:request_queue_time_seconds_count"] + 1
+    )
+    assert after["asyncllm:request_queue_time_seconds_sum"] >= 0
 
 
 def test_models_tokenize_version(server, client):

@@ -10,11 +10,13 @@ the prefix cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
 from asyncllm._core import SchedulerStats
 from asyncllm.core.kv_cache_manager import KVCacheManager
+from asyncllm.core.queue_time import QueueTimeHistogram
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -36,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.queue_time = QueueTimeHistogram()
         # Requests that left since the last schedule(); the runner drops them.
         self._finished_ids: set[int] = set()
         # True when every running request has exactly one token to compute (its
@@ -140,6 +143,8 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 if request.num_preemptions == 0:
                     request.num_cached_prompt_tokens = num_cached
+                    if request.arrival_time > 0:
+                        self.queue_time.observe(time.time() - request.arrival_time)
                 request.status = RequestStatus.RUNNING
                 running.append(request)
                 rid = request.request_id

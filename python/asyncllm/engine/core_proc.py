@@ -31,6 +31,7 @@ import zmq
 
 from asyncllm import _core, envs
 from asyncllm.config import EngineArgs
+from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.messages import StepOutputs
@@ -189,6 +190,9 @@ class EngineCoreProc:
                 "num_free_blocks": core.kv_cache.num_free_blocks,
                 "num_blocks": core.num_kv_blocks,
                 "num_unfinished": core.scheduler.num_unfinished,
+                "queue_time_buckets": list(QUEUE_TIME_BUCKETS),
+                "queue_time_cumulative": core.scheduler.queue_time.cumulative(),
+                "queue_time_sum": core.scheduler.queue_time.sum,
             }
         if method == "reset_prefix_cache":
             return core.reset_prefix_cache()

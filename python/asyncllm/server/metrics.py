@@ -21,7 +21,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -179,6 +184,19 @@ class _CoreStatsCollector(Collector):
                 c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
                 c.add_metric(label, float(stats[key]))
                 yield c
+        if "queue_time_cumulative" in stats:  # measured in the core's scheduler
+            bounds = [str(float(b)) for b in stats["queue_time_buckets"]] + ["+Inf"]
+            h = HistogramMetricFamily(
+                PREFIX + "request_queue_time_seconds",
+                "Time from arrival to the scheduler's first run of a request.",
+                labels=["model_name"],
+            )
+            h.add_metric(
+                label,
+                buckets=list(zip(bounds, map(float, stats["queue_time_cumulative"]), strict=True)),
+                sum_value=float(stats["queue_time_sum"]),
+            )
+            yield h
 
 
 class StatsLogger:
