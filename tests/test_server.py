@@ -425,3 +425,12 @@ def test_every_engine_arg_is_a_documented_flag():
     ns = p.parse_args(["m", "--max-num-seqs", "8", "--no-enable-prefix-caching"])
     args = engine_args_from(ns)
     assert args.max_num_seqs == 8 and args.enable_prefix_caching is False
+
+
+def test_bench_overhead_reports_the_core_gap(model_dir, capsys):
+    argv = ["bench", "overhead", str(model_dir), "--num-streams", "16", "--output-len", "64"]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["steady_steps"] > 0
+    assert 0 < result["schedule_us"] < result["gap_us"]
+    assert result["output_token_throughput"] > 0

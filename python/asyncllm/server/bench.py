@@ -66,9 +66,25 @@ def add_parser(sub: Any) -> None:
         k.add_argument("--num-iters", type=int, default=3, help="timed repetitions")
         k.add_argument("--json", action="store_true", help="print the results as JSON")
 
+    o = kinds.add_parser(
+        "overhead", help="the engine core's per-step CPU gap, with the null executor"
+    )
+    o.add_argument("model", help="model directory (its config and tokenizer; no weights run)")
+    o.add_argument("--num-streams", type=int, default=256, help="concurrent streams")
+    o.add_argument("--output-len", type=int, default=256, help="tokens per stream")
+    o.add_argument(
+        "--delay-ms", type=float, default=0.0, help="null executor's sleep per step (GIL free)"
+    )
+    o.add_argument("--json", action="store_true", help="print the results as JSON")
+
 
 def run(ns: argparse.Namespace) -> int:
-    results = asyncio.run(bench_serving(ns)) if ns.bench == "serving" else bench_offline(ns)
+    if ns.bench == "serving":
+        results = asyncio.run(bench_serving(ns))
+    elif ns.bench == "overhead":
+        results = asyncio.run(bench_overhead(ns))
+    else:
+        results = bench_offline(ns)
     if ns.json:
         print(json.dumps(results, indent=2))
     else:
@@ -263,6 +279,70 @@ def bench_offline(ns: argparse.Namespace) -> dict[str, Any]:
         "latencies_s": times,
         "request_throughput": ns.num_prompts / best,
         "output_token_throughput": num_tokens / best,
+    }
+
+
+async def bench_overhead(ns: argparse.Namespace) -> dict[str, Any]:
+    """Stream `num_streams` requests through AsyncLLM with the null executor and read
+    the core's own step timers: the gap is schedule + update + output hand-off, the
+    CPU work between two forward passes (medians over the steady-state steps)."""
+    from asyncllm.config import EngineArgs
+    from asyncllm.frontend.async_llm import AsyncLLM
+    from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+
+    args = EngineArgs(
+        model=ns.model,
+        executor="null",
+        null_step_delay_ms=ns.delay_ms,
+        max_num_seqs=max(256, ns.num_streams),
+        max_num_batched_tokens=max(4096, 16 * ns.num_streams),
+    )
+    engine = AsyncLLM.from_engine_args(args)
+    params = SamplingParams(
+        max_tokens=ns.output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    vocab = engine.tokenizer.vocab_size
+
+    async def stream(i: int) -> None:
+        prompt = [3 + (i * 16 + j) % (vocab - 3) for j in range(16)]
+        async for _ in engine.generate(prompt, params, f"overhead-{i}"):
+            pass
+
+    try:
+        await engine.call_utility("get_step_timings", {"clear": True})
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(i) for i in range(ns.num_streams)))
+        elapsed = time.perf_counter() - start
+        timings = await engine.call_utility("get_step_timings")
+    finally:
+        engine.shutdown()
+    # steady state: steps that decoded at least 90 % of the largest batch seen (the
+    # streams reach the core over a few steps and leave over a few more)
+    outputs = timings["num_outputs"]
+    if not outputs:
+        raise RuntimeError("the engine core recorded no steps")
+    full = 0.9 * max(outputs)
+    steady = [i for i, n in enumerate(outputs) if n >= full]
+
+    def med_us(key: str) -> float:
+        return 1e6 * statistics.median(timings[key][i] for i in steady)
+
+    handoff = 1e6 * statistics.median(timings["handoff"]) if timings["handoff"] else 0.0
+    gap = 1e6 * statistics.median(timings["schedule"][i] + timings["update"][i] for i in steady)
+    num_steps = len(timings["num_outputs"])
+    return {
+        "bench": "overhead",
+        "num_streams": ns.num_streams,
+        "output_len": ns.output_len,
+        "delay_ms": ns.delay_ms,
+        "steady_steps": len(steady),
+        "schedule_us": med_us("schedule"),
+        "execute_us": med_us("execute"),
+        "update_us": med_us("update"),
+        "handoff_us": handoff,
+        "gap_us": gap + handoff,
+        "steps_per_s": num_steps / elapsed,
+        "output_token_throughput": ns.num_streams * ns.output_len / elapsed,
     }
 
 
