@@ -192,10 +192,13 @@ def test_duplicate_request_id_rejected():
 
 
 def test_block_hashes_follow_generated_tokens():
+    sched = make_scheduler()
     req = make_request("r", [1] * 6, max_tokens=10)
     assert len(req.block_hashes) == 1
-    req.append_output_token(2)
-    req.append_output_token(3)
+    sched.add_request(req)
+    run_step(sched, token=2)  # the prompt, then its first sampled token
+    run_step(sched, token=3)
+    assert req.all_token_ids == [1] * 6 + [2, 3]
     assert len(req.block_hashes) == 2
     other = make_request("s", [1] * 6 + [2, 3])
     assert other.block_hashes == req.block_hashes

@@ -122,11 +122,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-        if self.block_hashes is not None and len(self.all_token_ids) % self.block_size == 0:
-            self.hash_full_blocks()
-
     def check_stop(self, token_id: int) -> bool:
         """Called after `token_id` was appended; marks the request finished if it
         must stop here. Returns whether it did."""

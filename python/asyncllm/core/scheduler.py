@@ -212,9 +212,10 @@ class Scheduler:
                 finished = True
             append(request)
         if finished:
+            # one pass, not list.remove per request: many may finish in one step
+            self.running = [r for r in self.running if not r.is_finished]
             for request in stepped:
                 if request.is_finished:
-                    self.running.remove(request)
                     self._free(request)
         self._all_decode = self._all_running_scheduled and num_unsampled == 0
         return stepped, finished
