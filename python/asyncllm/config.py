@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.default_model import DEFAULT_MODEL, resolve_model
 from asyncllm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -39,9 +40,12 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
 
 @dataclass
 class EngineArgs:
-    """Everything that shapes an engine. Field names follow vLLM's `EngineArgs`."""
+    """Everything that shapes an engine. Field names follow vLLM's `EngineArgs`.
 
-    model: str
+    `model` is a local Hugging Face directory; the default, `asyncllm-tiny`, is the
+    small model shipped inside the package (see `asyncllm.default_model`)."""
+
+    model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -60,8 +64,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
-            raise _fail("model", self.model, "the path of a local Hugging Face model directory")
-        self.model = str(self.model)
+            raise _fail(
+                "model",
+                self.model,
+                f"the path of a local Hugging Face model directory or {DEFAULT_MODEL!r}",
+            )
+        self.model = resolve_model(str(self.model))
         if self.tokenizer is not None and not isinstance(self.tokenizer, str | Path):
             raise _fail("tokenizer", self.tokenizer, "None or a local directory path")
         if self.tokenizer is not None:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from asyncllm import envs
 from asyncllm.config import EngineArgs
+from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.frontend.llm_engine import LLMEngine
@@ -22,6 +23,8 @@ from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """Offline generation: `LLM(model=path).generate(prompts, SamplingParams(...))`.
 
+    With no model, `LLM()` runs `asyncllm-tiny`, the small model the package ships.
+
     Keyword arguments are `EngineArgs` fields; unknown ones are rejected by name.
     The engine core runs in its own process (a fresh interpreter, so scripts need
     no `__main__` guard); `multiprocess=False` (or ASYNCLLM_MULTIPROCESS=0) keeps
@@ -29,7 +32,9 @@ class LLM:
     garbage collection, or interpreter exit) stops it.
     """
 
-    def __init__(self, model: str, multiprocess: bool | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str = DEFAULT_MODEL, multiprocess: bool | None = None, **engine_args: Any
+    ) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         if multiprocess is None:
             multiprocess = envs.multiprocess()

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import DEVICES, DTYPES, EXECUTORS, EngineArgs
+from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import AsyncLLMError
 
 ENGINE_HELP: dict[str, str] = {
@@ -37,7 +38,12 @@ _CHOICES = {"dtype": DTYPES, "device": DEVICES, "executor": EXECUTORS}
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """MODEL and one flag per `EngineArgs` field."""
-    parser.add_argument("model", help="local Hugging Face model directory")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"local Hugging Face model directory (default: {DEFAULT_MODEL}, the built-in model)",
+    )
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
