@@ -8,6 +8,10 @@ SDPA), `contig` SDPA on a contiguous [B, Hkv, L, D] cache at the mean length (th
 floor a non-paged engine gets). Each includes writing the step's new k/v. Runs are
 interleaved (rust, torch, contig, rust, ...) so that the noise of a shared machine
 hits all three alike; medians in ms per layer call, ratios to contig.
+
+The kernel runs on torch's OpenMP team; `ASYNCLLM_KERNEL_POOL=rayon` runs it on a
+rayon pool of its own instead (read once per process: to compare the two, alternate
+processes, as benches/RESULTS.md does).
 """
 
 from __future__ import annotations

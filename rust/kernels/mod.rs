@@ -6,6 +6,7 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod paged_attention;
+mod team;
 #[cfg(test)]
 mod tests;
 

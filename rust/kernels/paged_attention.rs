@@ -13,16 +13,19 @@
 //! with an online softmax (a running max and sum per query head, the output
 //! accumulator rescaled when the max grows), so there is a single pass over K
 //! and V and no score buffer longer than a block; the next block is prefetched
-//! while one is processed. Work items run on a rayon pool of the requested size
-//! (the Python side passes torch's thread count).
+//! while one is processed. Work items run on a team of the requested size (the
+//! Python side passes torch's thread count): torch's own OpenMP team when the
+//! process has libgomp loaded, else a rayon pool (see `team`).
 //!
 //! Decode attention is memory-bound (a handful of flops per byte of K/V), so the
 //! code is about reading memory well; the arithmetic only has to vectorise.
 
-use std::sync::{Arc, Mutex, PoisonError};
+#[cfg(target_os = "linux")]
+use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
 
+use super::team::{self, Team};
 use super::KernelError;
 
 /// An integer type of block tables and sequence lengths (torch passes int64;
@@ -100,7 +103,7 @@ fn shape_err(msg: String) -> KernelError {
 /// `shape`, `1 <= seq_lens[b] <= blocks_per_seq * block_size`, and every block
 /// id the call reads in `0..num_blocks` (entries past a sequence's last block
 /// are never read and may hold anything). `num_threads` (at least 1) is the
-/// number of threads that share the work; pools are kept per size.
+/// number of threads that share the work (see `team` for which threads).
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
 pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
     shape: &DecodeShape,
@@ -162,12 +165,32 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex>(
         }
         return Ok(());
     }
-    pool(num_threads)?.install(|| {
-        out.par_chunks_exact_mut(chunk).enumerate().for_each_init(
-            || Scratch::new(heads * job.group, job.group, shape.block_size),
-            |scratch, (item, out)| isa.attend(&job, item, out, scratch),
-        )
-    });
+    let new_scratch = || Scratch::new(heads * job.group, job.group, shape.block_size);
+    match Team::get(num_threads)? {
+        #[cfg(target_os = "linux")]
+        Team::Omp(parallel) => {
+            // Items are handed out one at a time as threads ask, like rayon's
+            // work stealing: a thread the OS descheduled holds up no one.
+            let items = Mutex::new(out.chunks_exact_mut(chunk).enumerate());
+            team::run_on_omp(parallel, num_threads, &|| {
+                let mut scratch = new_scratch();
+                loop {
+                    // Only `next` runs under the lock and it cannot panic; were the
+                    // lock poisoned anyway, the iterator in it would still be valid.
+                    let next = items.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    let Some((item, out)) = next else { break };
+                    isa.attend(&job, item, out, &mut scratch);
+                }
+            })?;
+        }
+        Team::Rayon => team::pool(num_threads)?.install(|| {
+            out.par_chunks_exact_mut(chunk)
+                .enumerate()
+                .for_each_init(new_scratch, |scratch, (item, out)| {
+                    isa.attend(&job, item, out, scratch)
+                })
+        }),
+    }
     Ok(())
 }
 
@@ -180,25 +203,6 @@ fn heads_per_item(shape: &DecodeShape, num_threads: usize) -> usize {
     } else {
         1
     }
-}
-
-/// A rayon pool of `num_threads` threads, built on first use and kept.
-fn pool(num_threads: usize) -> Result<Arc<rayon::ThreadPool>, KernelError> {
-    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
-    // The list is only ever pushed to whole, so a panic elsewhere cannot leave it
-    // inconsistent: a poisoned lock is safe to use.
-    let mut pools = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some((_, pool)) = pools.iter().find(|(n, _)| *n == num_threads) {
-        return Ok(Arc::clone(pool));
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(num_threads)
-        .thread_name(|i| format!("asyncllm-attn-{i}"))
-        .build()
-        .map_err(|e| KernelError::Threads(num_threads, e.to_string()))?;
-    let pool = Arc::new(pool);
-    pools.push((num_threads, Arc::clone(&pool)));
-    Ok(pool)
 }
 
 /// The validated operands of one call, shared by every work item.

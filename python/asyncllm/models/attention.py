@@ -212,7 +212,8 @@ def _native_decode(
     scale: float,
 ) -> torch.Tensor:
     """The Rust kernel, on zero-copy numpy views of the tensors; it releases the GIL
-    and splits the (sequence, KV head) pairs over torch's thread count."""
+    and splits the (sequence, KV head) pairs over torch's threads (its OpenMP team,
+    so no second pool competes with them: rust/kernels/team.rs)."""
     batch, num_heads, head_dim = q.shape
     out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype)
     _core.paged_decode_attention(

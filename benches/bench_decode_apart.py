@@ -1,0 +1,106 @@
+"""The decode step against the floor measured in separate processes, alternating.
+
+`bench_offline.py` times the engine step and the floor step in one loop, which cancels
+load from elsewhere but lets one side's after-effects (a thread team left spinning,
+caches) touch the other. Here each process times only one of them — the floor never
+shares a process with asyncllm's kernel — and processes alternate, so the two checks
+bracket the truth between them.
+
+    python benches/bench_decode_apart.py [--models micro small] [--pairs 4]
+
+Batch 256 decodes at context ~96 (the engine's steps span 85-106, the floor's cache
+is sized for 106), 21 timed steps per process, median per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+HERE = Path(__file__).resolve().parent
+CONTEXT, REPEATS = 96, 21
+
+
+def child(mode: str, model_dir: str) -> None:
+    sys.path.insert(0, str(HERE))
+    from bench_offline import workload
+    from floor import FloorDecode
+
+    times = []
+    if mode == "floor":
+        floor = FloorDecode(model_dir, 256, CONTEXT + REPEATS // 2)
+        floor.step()
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            floor.step()
+            times.append(time.perf_counter() - t0)
+    else:
+        from asyncllm import EngineArgs, SamplingParams
+        from asyncllm.engine.core_proc import _build_core
+        from asyncllm.engine.messages import EngineCoreRequest
+
+        args = EngineArgs(
+            model=model_dir, dtype="float32", max_num_seqs=256, max_num_batched_tokens=8192
+        )
+        core = _build_core(args)
+        prompts, _ = workload("fixed", 256, seed=1)
+        params = SamplingParams(temperature=0.0, max_tokens=CONTEXT + REPEATS + 8, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineCoreRequest(i, prompt[:32], params))
+        core.step()  # the prefill
+        while core.scheduler.running[0].num_tokens < CONTEXT - REPEATS // 2:
+            core.step()
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - t0)
+    print(f"{1e3 * median(times):.3f}")
+
+
+def run(mode: str, model_dir: Path) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", mode, str(model_dir)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.split()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["micro", "small"])
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(*a.child)
+        return
+    sys.path.insert(0, str(HERE))
+    from models import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.models:
+            model_dir = build_model(name, Path(tmp))
+            floor, engine = [], []
+            for i in range(a.pairs):
+                order = [("floor", floor), ("engine", engine)]
+                for mode, sink in order if i % 2 == 0 else order[::-1]:
+                    sink.append(run(mode, model_dir))
+            pairs = [e / f for e, f in zip(engine, floor, strict=True)]
+            print(
+                f"{name}: floor ms {[round(x, 1) for x in floor]}, "
+                f"engine ms {[round(x, 1) for x in engine]}; "
+                f"ratio of medians {median(engine) / median(floor):.3f}, "
+                f"median of pair ratios {median(pairs):.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+//! The threads a kernel's work items run on: the OpenMP team of the libgomp the
+//! process already has loaded (torch's), or else a rayon pool of the kernel's own.
+//!
+//! Why not always rayon: torch's OpenMP workers busy-wait for a few milliseconds
+//! after each torch op, so a rayon pool of torch's size started right after one
+//! puts twice as many runnable threads on the cores. Handing the work to libgomp's
+//! `GOMP_parallel` from the thread that runs torch's ops reuses those very workers
+//! (libgomp keeps one pool per calling thread), so nothing is oversubscribed.
+//!
+//! The choice is made once, at the first multi-threaded call: libgomp if a
+//! `libgomp*.so*` is mapped into the process (never loaded by us: `RTLD_NOLOAD`),
+//! else rayon — as in `cargo bench`, which has no torch.
+//! `ASYNCLLM_KERNEL_POOL=rayon` forces rayon (for benchmarks that compare the two);
+//! `omp` or unset means the default.
+
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use super::KernelError;
+
+/// Where a multi-threaded call runs.
+#[derive(Clone, Copy)]
+pub(super) enum Team {
+    /// The OpenMP team of the process's libgomp.
+    #[cfg(target_os = "linux")]
+    Omp(omp::GompParallel),
+    /// A rayon pool of the kernel's own (`pool`).
+    Rayon,
+}
+
+impl Team {
+    /// The team for this process, chosen at the first call and kept;
+    /// `num_threads` only words the error of a bad `ASYNCLLM_KERNEL_POOL`.
+    pub(super) fn get(num_threads: usize) -> Result<Team, KernelError> {
+        static TEAM: OnceLock<Result<Team, String>> = OnceLock::new();
+        TEAM.get_or_init(choose)
+            .clone()
+            .map_err(|msg| KernelError::Threads(num_threads, msg))
+    }
+}
+
+/// Calls `body` once on each thread of an OpenMP team of `num_threads` (the
+/// calling thread among them) and returns when all are done; `body` shares out
+/// the work itself. A panic in `body` is resumed on the calling thread.
+#[cfg(target_os = "linux")]
+pub(super) fn run_on_omp<F: Fn() + Sync>(
+    parallel: omp::GompParallel,
+    num_threads: usize,
+    body: &F,
+) -> Result<(), KernelError> {
+    omp::run(parallel, num_threads, body)
+}
+
+fn choose() -> Result<Team, String> {
+    match std::env::var("ASYNCLLM_KERNEL_POOL").as_deref() {
+        Ok("rayon") => return Ok(Team::Rayon),
+        Ok("omp") | Err(std::env::VarError::NotPresent) => {}
+        Ok(other) => {
+            return Err(format!(
+                "ASYNCLLM_KERNEL_POOL must be \"omp\" or \"rayon\", got {other:?}"
+            ))
+        }
+        Err(e) => return Err(format!("ASYNCLLM_KERNEL_POOL: {e}")),
+    }
+    #[cfg(target_os = "linux")]
+    if let Some(parallel) = omp::find() {
+        return Ok(Team::Omp(parallel));
+    }
+    Ok(Team::Rayon)
+}
+
+/// A rayon pool of `num_threads` threads, built on first use and kept.
+pub(super) fn pool(num_threads: usize) -> Result<Arc<rayon::ThreadPool>, KernelError> {
+    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
+    // The list is only ever pushed to whole, so a panic elsewhere cannot leave it
+    // inconsistent: a poisoned lock is safe to use.
+    let mut pools = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, pool)) = pools.iter().find(|(n, _)| *n == num_threads) {
+        return Ok(Arc::clone(pool));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(num_threads)
+        .thread_name(|i| format!("asyncllm-attn-{i}"))
+        .build()
+        .map_err(|e| KernelError::Threads(num_threads, e.to_string()))?;
+    let pool = Arc::new(pool);
+    pools.push((num_threads, Arc::clone(&pool)));
+    Ok(pool)
+}
+
+#[cfg(target_os = "linux")]
+mod omp {
+    use std::any::Any;
+    use std::ffi::{c_char, c_uint, c_void, CStr, CString};
+    use std::os::unix::ffi::OsStrExt;
+    use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+    use std::path::PathBuf;
+    use std::sync::{Mutex, PoisonError};
+
+    use super::KernelError;
+
+    /// The first panic of a team's threads, kept to be resumed by the caller.
+    type Panic = Mutex<Option<Box<dyn Any + Send>>>;
+
+    /// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads,
+    /// unsigned flags)`: runs `fn(data)` on a team of `num_threads` threads, the
+    /// caller included, and returns when every thread has returned.
+    pub(super) type GompParallel =
+        unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+
+    /// What the team's threads are handed: the caller's body and where a panic goes.
+    struct Shared<'a, F> {
+        body: &'a F,
+        panic: Panic,
+    }
+
+    pub(super) fn run<F: Fn() + Sync>(
+        parallel: GompParallel,
+        num_threads: usize,
+        body: &F,
+    ) -> Result<(), KernelError> {
+        let n = c_uint::try_from(num_threads)
+            .map_err(|_| KernelError::Threads(num_threads, "too many threads".into()))?;
+        let shared = Shared {
+            body,
+            panic: Mutex::new(None),
+        };
+        let data = &shared as *const Shared<'_, F> as *mut c_void;
+        // SAFETY: `parallel` is libgomp's `GOMP_parallel` (`find`), whose signature
+        // `GompParallel` states. `data` points to `shared`, which outlives the call:
+        // GOMP_parallel returns only after every thread has returned from
+        // `trampoline::<F>`, which reads `data` as the `Shared<F>` it is, and only
+        // through shared references (`F: Sync`, the panic slot behind a mutex).
+        // flags 0: no proc_bind request.
+        unsafe { parallel(trampoline::<F>, data, n, 0) };
+        let panic = shared
+            .panic
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(payload) = panic {
+            resume_unwind(payload);
+        }
+        Ok(())
+    }
+
+    /// Each team thread's entry point. Never unwinds into libgomp: a panic is
+    /// caught and stored for `run` to resume on the calling thread.
+    extern "C" fn trampoline<F: Fn() + Sync>(data: *mut c_void) {
+        // SAFETY: `run` passes a pointer to a live `Shared<F>` (see there).
+        let shared = unsafe { &*(data as *const Shared<'_, F>) };
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(shared.body)) {
+            // A poisoned slot still holds a valid Option; keep the first panic.
+            let mut slot = shared.panic.lock().unwrap_or_else(PoisonError::into_inner);
+            slot.get_or_insert(payload);
+        }
+    }
+
+    /// `GOMP_parallel` of the libgomp mapped into this process, if exactly one
+    /// is (or several, one of them torch's: the one under a `torch` directory).
+    pub(super) fn find() -> Option<GompParallel> {
+        let path = mapped_libgomp()?;
+        let path = CString::new(path.as_os_str().as_bytes()).ok()?;
+        open(&path, libc::RTLD_NOW | libc::RTLD_NOLOAD)
+    }
+
+    /// `GOMP_parallel` of the libgomp `dlopen(path, flags)` gives (with
+    /// `RTLD_NOLOAD`: only one already loaded).
+    pub(super) fn open(path: &CStr, flags: libc::c_int) -> Option<GompParallel> {
+        // SAFETY: `path` is NUL-terminated. With RTLD_NOLOAD this returns a handle
+        // only to a library already loaded (running no initialisers), else null;
+        // without it (tests only) it loads libgomp, whose initialiser only reads
+        // OMP_* variables. The handle is never closed, so the library stays
+        // mapped as long as the pointer taken from it is kept (the process's life).
+        let handle = unsafe { libc::dlopen(path.as_ptr(), flags) };
+        if handle.is_null() {
+            return None;
+        }
+        let name: &CStr = c"GOMP_parallel";
+        // SAFETY: a live handle and a NUL-terminated name.
+        let sym = unsafe { libc::dlsym(handle, name.as_ptr() as *const c_char) };
+        if sym.is_null() {
+            return None;
+        }
+        // SAFETY: libgomp's `GOMP_parallel` has the C signature `GompParallel`
+        // (libgomp/libgomp_g.h, stable since GCC 4.9).
+        Some(unsafe { std::mem::transmute::<*mut c_void, GompParallel>(sym) })
+    }
+
+    /// The path of the `libgomp*.so*` mapped into the process, from /proc/self/maps.
+    fn mapped_libgomp() -> Option<PathBuf> {
+        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+        let mut paths: Vec<PathBuf> = maps
+            .lines()
+            // address perms offset dev inode, then the path after padding
+            .filter_map(|line| line.splitn(6, ' ').nth(5))
+            .map(|path| PathBuf::from(path.trim_start()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("libgomp") && n.contains(".so"))
+            })
+            .collect();
+        paths.sort();
+        paths.dedup();
+        match paths.len() {
+            0 => None,
+            1 => paths.pop(),
+            _ => paths
+                .into_iter()
+                .find(|p| p.components().any(|c| c.as_os_str() == "torch")),
+        }
+    }
+}
+
+/// The OpenMP trampoline on the system's libgomp (loaded here, as `cargo test`
+/// has no torch); skipped where there is none. Once it is loaded, the kernel
+/// tests that make their first multi-threaded call later take the OpenMP team
+/// too: both teams give the same results.
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::omp;
+
+    fn system_libgomp() -> Option<omp::GompParallel> {
+        let found = omp::open(c"libgomp.so.1", libc::RTLD_NOW);
+        if found.is_none() {
+            eprintln!("no libgomp.so.1 on this system: OpenMP team not tested");
+        }
+        found
+    }
+
+    #[test]
+    fn omp_team_runs_body_on_every_thread() {
+        let Some(parallel) = system_libgomp() else {
+            return;
+        };
+        for threads in [1, 2, 3] {
+            let calls = AtomicUsize::new(0);
+            super::run_on_omp(parallel, threads, &|| {
+                calls.fetch_add(1, Ordering::Relaxed);
+            })
+            .unwrap();
+            assert_eq!(calls.into_inner(), threads);
+        }
+    }
+
+    #[test]
+    fn omp_team_panic_reaches_the_caller() {
+        let Some(parallel) = system_libgomp() else {
+            return;
+        };
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            super::run_on_omp(parallel, 2, &|| panic!("in the team"))
+        }));
+        let payload = result.expect_err("the panic must be resumed on the caller");
+        assert_eq!(payload.downcast_ref::<&str>(), Some(&"in the team"));
+    }
+}
