@@ -13,8 +13,9 @@ Subcommands, one per measurement (`all` runs them in turn):
            the fraction of the core's wall time (first step start -> last step
            end) spent inside the delay, and the consumers' inter-token latency
            p50/p99 against the step time.
-  stop     64 streams on the micro model with three never-matching stop strings
-           vs none: throughput ratio, interleaved repeats in one engine.
+  stop     64 streams on a real model (default: the shipped asyncllm-tiny, code
+           prompts) with three never-matching stop strings vs none: throughput
+           ratio, interleaved repeats in one engine.
   startup  wall time from `LLM(...)` / `AsyncLLM.from_engine_args(...)` to the
            first generated token on the micro model, a fresh process each time.
 
@@ -111,7 +112,12 @@ def _step_summary(t: dict[str, list[Any]], n: int) -> dict[str, float]:
 
 
 async def _stream_run(
-    engine: AsyncLLM, n: int, max_tokens: int, stop: list[str] | None = None, tag: str = ""
+    engine: AsyncLLM,
+    n: int,
+    max_tokens: int,
+    stop: list[str] | None = None,
+    tag: str = "",
+    prompts: list[Any] | None = None,
 ) -> dict[str, Any]:
     """n concurrent DELTA streams; returns wall time, token count and per-arrival
     inter-token gaps (seconds)."""
@@ -128,9 +134,8 @@ async def _stream_run(
 
     async def one(i: int, prompt: list[int]) -> None:
         last = None
-        async for out in engine.generate(
-            {"prompt_token_ids": prompt}, params, request_id=f"{tag}{i}"
-        ):
+        request = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        async for out in engine.generate(request, params, request_id=f"{tag}{i}"):
             now = time.perf_counter()
             k = len(out.outputs[0].token_ids)
             counts[i] += k
@@ -140,7 +145,7 @@ async def _stream_run(
             last = now
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts(n))))
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts or _prompts(n))))
     wall = time.perf_counter() - t0
     return {"wall": wall, "tokens": sum(counts), "gaps": gaps, "per_token": per_token}
 
@@ -247,21 +252,31 @@ def cmd_busy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 
 def cmd_stop(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    # The shipped model writes real code, so the detokenizer and the stop-string
+    # matcher see real text; the micro model (random weights) is the old baseline.
+    real = a.stop_model != "micro"
+    name = a.stop_model if real else str(model)
+    prompts: list[Any] | None = None
+    if real:
+        prompts = [f"def function_{i}(value, count={i}):\n    " for i in range(64)]
+
     async def go() -> dict[str, Any]:
         engine = AsyncLLM.from_engine_args(
-            EngineArgs(model=str(model), max_num_seqs=64, max_model_len=1024, seed=0),
+            EngineArgs(model=name, max_num_seqs=64, max_model_len=512, seed=0),
             multiprocess=True,
         )
         plain, stops = [], []
         try:
-            await _stream_run(engine, 64, 16, tag="warm")
+            await _stream_run(engine, 64, 16, tag="warm", prompts=prompts)
             for r in range(a.runs):
                 order = [(None, plain), (NEVER_STOPS, stops)]
                 if r % 2:
                     order.reverse()
                 for stop, sink in order:
                     tag = f"s{r}{bool(stop)}-"
-                    res = await _stream_run(engine, 64, a.stop_tokens, stop, tag=tag)
+                    res = await _stream_run(
+                        engine, 64, a.stop_tokens, stop, tag=tag, prompts=prompts
+                    )
                     sink.append(res["tokens"] / res["wall"])
         finally:
             engine.shutdown()
@@ -341,6 +356,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream (gap, gil)")
     ap.add_argument("--busy-tokens", type=int, default=128, help="tokens per stream (busy)")
     ap.add_argument("--stop-tokens", type=int, default=64, help="tokens per stream (stop)")
+    ap.add_argument(
+        "--stop-model",
+        default="asyncllm-tiny",
+        help="model of `stop`: a path, asyncllm-tiny, micro",
+    )
     ap.add_argument("--models", default=None, help="where benchmark models are built")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
