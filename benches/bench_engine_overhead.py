@@ -8,7 +8,8 @@ Subcommands, one per measurement (`all` runs them in turn):
            gap), the busy loop's start-to-start period, and the steps/s the whole
            pipeline sustains, consumers included.
   gil      the same gap with IO idle (an in-process `EngineCore`, outputs
-           discarded) against the gap under full multiprocess load, interleaved.
+           discarded) against the gap under full multiprocess load, interleaved;
+           `--pin` places the core's busy loop alone on one CPU (a diagnostic).
   busy     null executor with a 5 ms delay, N streams consumed by `AsyncLLM`:
            the fraction of the core's wall time (first step start -> last step
            end) spent inside the delay, and the consumers' inter-token latency
@@ -161,10 +162,21 @@ def _null_args(model: Path, delay_ms: float = 0.0, n: int = 256) -> EngineArgs:
     )
 
 
+def _pin_apart(engine: AsyncLLM) -> None:
+    """Diagnostic placement (`gil --pin`, Linux, 2+ CPUs): the core's busy-loop
+    thread alone on CPU 0; its IO threads and this front-end process on CPU 1."""
+    pid = engine.client.process.pid
+    os.sched_setaffinity(0, {1})
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {0} if int(tid) == pid else {1})
+
+
 async def _mp_null_run(
-    model: Path, n: int, tokens: int, delay_ms: float, runs: int
+    model: Path, n: int, tokens: int, delay_ms: float, runs: int, pin: bool = False
 ) -> list[dict[str, Any]]:
     engine = AsyncLLM.from_engine_args(_null_args(model, delay_ms, n), multiprocess=True)
+    if pin:
+        _pin_apart(engine)
     results = []
     try:
         await _stream_run(engine, n, 32, tag="warm")  # warm-up
@@ -235,8 +247,10 @@ def cmd_gap(a: argparse.Namespace, model: Path) -> dict[str, Any]:
 def cmd_gil(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     idle, loaded = [], []
     for _ in range(a.runs):  # interleaved: idle, loaded, idle, loaded, ...
+        if a.pin:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         idle.append(_inproc_gap(model, a.streams, a.tokens))
-        loaded.extend(asyncio.run(_mp_null_run(model, a.streams, a.tokens, 0.0, 1)))
+        loaded.extend(asyncio.run(_mp_null_run(model, a.streams, a.tokens, 0.0, 1, a.pin)))
     ratios = [ld["gap_us"] / i["gap_us"] for i, ld in zip(idle, loaded, strict=True)]
     return {
         "idle": _median_dicts(idle),
@@ -362,6 +376,11 @@ def main() -> None:
         help="model of `stop`: a path, asyncllm-tiny, micro",
     )
     ap.add_argument("--models", default=None, help="where benchmark models are built")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="gil: the core's busy loop alone on CPU 0, its IO threads and the front end on CPU 1",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
     root = Path(a.models or os.path.join(tempfile.gettempdir(), "asyncllm-bench-models"))
