@@ -28,7 +28,7 @@ CONTEXT, REPEATS = 96, 21
 
 def child(mode: str, model_dir: str) -> None:
     sys.path.insert(0, str(HERE))
-    from bench_offline import workload
+    from bench_offline import decoding_core
     from floor import FloorDecode
 
     times = []
@@ -40,21 +40,7 @@ def child(mode: str, model_dir: str) -> None:
             floor.step()
             times.append(time.perf_counter() - t0)
     else:
-        from asyncllm import EngineArgs, SamplingParams
-        from asyncllm.engine.core_proc import _build_core
-        from asyncllm.engine.messages import EngineCoreRequest
-
-        args = EngineArgs(
-            model=model_dir, dtype="float32", max_num_seqs=256, max_num_batched_tokens=8192
-        )
-        core = _build_core(args)
-        prompts, _ = workload("fixed", 256, seed=1)
-        params = SamplingParams(temperature=0.0, max_tokens=CONTEXT + REPEATS + 8, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            core.add_request(EngineCoreRequest(i, prompt[:32], params))
-        core.step()  # the prefill
-        while core.scheduler.running[0].num_tokens < CONTEXT - REPEATS // 2:
-            core.step()
+        core = decoding_core(Path(model_dir), CONTEXT - REPEATS // 2, REPEATS)
         for _ in range(REPEATS):
             t0 = time.perf_counter()
             core.step()

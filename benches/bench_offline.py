@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import torch
 
@@ -71,12 +72,9 @@ def run_engine(model_dir: Path, prompts, outs) -> dict:
     }
 
 
-def paired_decode_vs_floor(model_dir: Path, context: int, repeats: int) -> dict:
-    """The engine core's decode step at batch 256 (schedule, input preparation,
-    forward, sampling, update, output columns: all that runs between two forward
-    passes in the core process; detokenizing is the front-end process's work)
-    against the floor, timed alternately in one loop so that load from elsewhere
-    hits both alike."""
+def decoding_core(model_dir: Path, context: int, steps_ahead: int) -> Any:
+    """An in-process EngineCore with 256 requests decoding at `context` tokens, with
+    room for `steps_ahead` more decode steps: the engine side of the floor checks."""
     from asyncllm import EngineArgs, SamplingParams
     from asyncllm.engine.core_proc import _build_core
     from asyncllm.engine.messages import EngineCoreRequest
@@ -87,12 +85,22 @@ def paired_decode_vs_floor(model_dir: Path, context: int, repeats: int) -> dict:
         )
     )
     prompts, _ = workload("fixed", 256, seed=1)
-    params = SamplingParams(temperature=0.0, max_tokens=context + repeats + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=context + steps_ahead + 8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(i, prompt[:32], params))
     core.step()  # the prefill
     while core.scheduler.running[0].num_tokens < context:
         core.step()
+    return core
+
+
+def paired_decode_vs_floor(model_dir: Path, context: int, repeats: int) -> dict:
+    """The engine core's decode step at batch 256 (schedule, input preparation,
+    forward, sampling, update, output columns: all that runs between two forward
+    passes in the core process; detokenizing is the front-end process's work)
+    against the floor, timed alternately in one loop so that load from elsewhere
+    hits both alike."""
+    core = decoding_core(model_dir, context, repeats)
     floor = FloorDecode(str(model_dir), 256, context + repeats // 2)
     floor.step()
     eng_t, floor_t = [], []

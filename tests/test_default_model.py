@@ -8,13 +8,9 @@ import hashlib
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,6 +20,7 @@ from asyncllm import EngineArgs, SamplingParams
 from asyncllm.default_model import DEFAULT_MODEL, default_model_path
 from asyncllm.frontend.llm import LLM
 from asyncllm.frontend.tokenizer import Tokenizer
+from server_process import Server, get_text, post
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = default_model_path()
@@ -178,32 +175,10 @@ def test_cli_generate_without_a_model():
     assert "built-in default model" in proc.stderr
 
 
-def _http_json(url: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
 def test_cli_serve_without_a_model(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5).close()
-                break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the server did not start in 90 s"
-                time.sleep(0.2)
-        models = [m["id"] for m in _http_json(url + "/v1/models")["data"]]
+        models = [m["id"] for m in json.loads(get_text(server.url + "/v1/models"))["data"]]
         assert models == [DEFAULT_MODEL]
         body = {
             "model": DEFAULT_MODEL,
@@ -211,18 +186,12 @@ def test_cli_serve_without_a_model(tmp_path):
             "max_tokens": 8,
             "temperature": 0,
         }
-        chat = _http_json(url + "/v1/chat/completions", body)
+        status, chat = post(server.url + "/v1/chat/completions", body)
+        assert status == 200, chat
         assert chat["usage"]["completion_tokens"] >= 1
-        assert "built-in default model" in (tmp_path / "serve.log").read_text()
+        assert "built-in default model" in server.log.read_text()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-    assert proc.returncode == 0
+        assert server.stop() == 0, server.log.read_text()[-3000:]
 
 
 def test_training_script_runs_in_quick_mode(tmp_path):

@@ -11,17 +11,14 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from asyncllm import LLM, EngineArgs, SamplingParams
 from asyncllm.server.cli import ENGINE_HELP, add_engine_args, engine_args_from, main
+from server_process import Server, get_text, http_status, post
 from tiny_models import make_tiny_model
 
 openai = pytest.importorskip("openai")
@@ -38,76 +35,9 @@ TEMPLATE = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """`asyncllm serve` in a subprocess, up once /health answers 200."""
-
-    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", str(model_dir)]
-        cmd += ["--port", str(self.port), "--dtype", "float32", "--served-model-name", MODEL]
-        self.log = log
-        self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [*cmd, *extra], stdout=self._log_file, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 90
-        while http_status(self.url + "/health") != 200:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def children(self) -> list[int]:
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
-        ).stdout
-        return [int(p) for p in out.split()]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log_file.close()
-        return self.proc.returncode
-
-
-def http_status(url: str, headers: dict[str, str] | None = None) -> int:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10):
-            return 200
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
-
-
-def get_text(url: str, headers: dict[str, str] | None = None) -> str:
-    req = urllib.request.Request(url, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return resp.read().decode()
-
-
-def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+def tiny_server(model_dir: Path, log: Path, *extra: str) -> Server:
+    """The test model served as MODEL, in fp32."""
+    return Server(log, str(model_dir), "--dtype", "float32", "--served-model-name", MODEL, *extra)
 
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -136,7 +66,7 @@ def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     template = tmp / "template.jinja"
     template.write_text(TEMPLATE)
-    srv = Server(
+    srv = tiny_server(
         model_dir,
         tmp / "server.log",
         "--chat-template",
@@ -370,7 +300,7 @@ def test_bench_serving_reports_figures(server, capsys):
 
 
 def test_no_template_then_sigterm_during_streaming(model_dir, tmp_path):
-    srv = Server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
+    srv = tiny_server(model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError) as bad:
@@ -396,7 +326,7 @@ def test_no_template_then_sigterm_during_streaming(model_dir, tmp_path):
 
 
 def test_dead_engine_answers_503_and_exits_1(model_dir, tmp_path):
-    srv = Server(model_dir, tmp_path / "server.log")
+    srv = tiny_server(model_dir, tmp_path / "server.log")
     try:
         (core,) = srv.children()
         os.kill(core, signal.SIGKILL)

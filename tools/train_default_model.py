@@ -403,7 +403,6 @@ def main(argv: list[str] | None = None) -> None:
     recipe = Recipe(**{**asdict(recipe), **overrides})
     log_every = max(1, min(args.log_every, recipe.steps // 4 or 1))
     torch.set_num_threads(args.threads)
-    np.random.seed(recipe.seed)
 
     root = stdlib_root()
     train_files, heldout_files = corpus_files(root, recipe)

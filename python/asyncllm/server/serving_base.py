@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.async_llm import AsyncLLM
-from asyncllm.outputs import Logprob, RequestOutput
+from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.metrics import RequestTimer, ServerMetrics
 from asyncllm.server.protocol import APIError, bad_request
@@ -110,6 +110,29 @@ class ServingBase:
         finally:
             self.in_flight.discard(request_id)
             timer.on_finish(reasons)
+
+    async def collect(
+        self, outputs: AsyncIterator[RequestOutput], n: int
+    ) -> tuple[list[CompletionOutput], Any]:
+        """Joins a DELTA stream into each choice's whole output (text, ids,
+        logprobs, how it finished), for the non-streaming endpoints; also returns
+        the prompt logprobs, if any came."""
+        texts: list[list[str]] = [[] for _ in range(n)]
+        whole = [CompletionOutput(i, "", [], None, []) for i in range(n)]
+        prompt_logprobs = None
+        async for out in outputs:
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
+            for c in out.outputs:
+                w = whole[c.index]
+                texts[c.index].append(c.text)
+                w.token_ids.extend(c.token_ids)
+                if c.logprobs:
+                    w.logprobs.extend(c.logprobs)  # type: ignore[union-attr]
+                w.finish_reason, w.stop_reason = c.finish_reason, c.stop_reason
+        for w, parts in zip(whole, texts, strict=True):
+            w.text = "".join(parts)
+        return whole, prompt_logprobs
 
     async def abort_all(self) -> None:
         for request_id in list(self.in_flight):

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.responses import Response
 
 from asyncllm.frontend.async_llm import AsyncLLM
-from asyncllm.outputs import CompletionOutput, Logprob
+from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.chat_template import ChatTemplate, ChatTemplateError
 from asyncllm.server.metrics import ServerMetrics
@@ -127,38 +127,27 @@ class ChatServing(ServingBase):
         request_id: str,
         created: int,
     ) -> bytes:
-        n = params.n
-        texts: list[list[str]] = [[] for _ in range(n)]
-        token_ids: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[dict[int, Logprob]]] = [[] for _ in range(n)]
-        last: list[CompletionOutput | None] = [None] * n
         timer = self.metrics.start(len(ids))
-        async for out in self.generate(ids, text, params, request_id, timer):
-            for c in out.outputs:
-                texts[c.index].append(c.text)
-                token_ids[c.index].extend(c.token_ids)
-                if c.logprobs:
-                    logprobs[c.index].extend(c.logprobs)
-                last[c.index] = c
+        outputs, _ = await self.collect(
+            self.generate(ids, text, params, request_id, timer), params.n
+        )
         choices = []
-        for i in range(n):
+        for c in outputs:
             lp = None
             if req.logprobs:
-                full = CompletionOutput(i, "", token_ids[i], None, logprobs[i])
-                lp = {"content": _chat_logprobs(full, req.top_logprobs or 0), "refusal": None}
-            end = last[i]
+                lp = {"content": _chat_logprobs(c, req.top_logprobs or 0), "refusal": None}
             choices.append(
                 {
-                    "index": i,
+                    "index": c.index,
                     "message": {
                         "role": "assistant",
-                        "content": "".join(texts[i]),
+                        "content": c.text,
                         "refusal": None,
                         "tool_calls": [],
                     },
                     "logprobs": lp,
-                    "finish_reason": end.finish_reason if end else None,
-                    "stop_reason": end.stop_reason if end else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
             )
         body = {
@@ -167,7 +156,7 @@ class ChatServing(ServingBase):
             "created": created,
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(len(ids), sum(len(t) for t in token_ids)),
+            "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs)),
             "system_fingerprint": None,
         }
         return json.dumps(body, separators=(",", ":")).encode()

@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from asyncllm.outputs import CompletionOutput, Logprob
+from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.protocol import APIError, CompletionRequest, bad_request
 from asyncllm.server.serving_base import (
@@ -179,42 +179,28 @@ class CompletionServing(ServingBase):
     ) -> tuple[list[dict[str, Any]], int]:
         assert p.params is not None
         n = p.params.n
-        texts: list[list[str]] = [[] for _ in range(n)]
-        outputs: list[CompletionOutput | None] = [None] * n
-        token_ids: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[dict[int, Logprob]]] = [[] for _ in range(n)]
-        prompt_logprobs = None
         timer = self.metrics.start(len(p.ids))
-        async for out in self.generate(p.ids, p.text, p.params, p.request_id, timer):
-            if out.prompt_logprobs is not None:
-                prompt_logprobs = out.prompt_logprobs
-            for c in out.outputs:
-                texts[c.index].append(c.text)
-                token_ids[c.index].extend(c.token_ids)
-                if c.logprobs:
-                    logprobs[c.index].extend(c.logprobs)
-                outputs[c.index] = c
+        outputs, prompt_logprobs = await self.collect(
+            self.generate(p.ids, p.text, p.params, p.request_id, timer), n
+        )
         choices = []
         num_top = req.logprobs or 0
-        for i in range(n):
-            last = outputs[i]
-            text = "".join(texts[i])
+        for c in outputs:
             lp: dict[str, Any] | None = None
             prefix = self._echo_text(p) if req.echo else ""
             if req.logprobs is not None:
-                full = CompletionOutput(i, text, token_ids[i], None, logprobs[i])
                 lp = self._echo_logprobs(p, prompt_logprobs, num_top) if req.echo else _empty()
-                _extend(lp, self._logprobs(full, num_top, len(prefix)))
+                _extend(lp, self._logprobs(c, num_top, len(prefix)))
             choices.append(
                 {
-                    "index": p.index * n + i,
-                    "text": prefix + text,
+                    "index": p.index * n + c.index,
+                    "text": prefix + c.text,
                     "logprobs": lp,
-                    "finish_reason": last.finish_reason if last else None,
-                    "stop_reason": last.stop_reason if last else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
             )
-        return choices, sum(len(t) for t in token_ids)
+        return choices, sum(len(c.token_ids) for c in outputs)
 
     # -- legacy logprobs ----------------------------------------------------------------
 

@@ -120,6 +120,22 @@ impl LogprobsColumn {
     }
 }
 
+/// Checks that a column has one entry per wire id.
+fn expect_len(
+    obj: &Bound<'_, PyAny>,
+    n: usize,
+    path: &dyn Fn() -> String,
+) -> Result<(), WireError> {
+    let len = extract::len(obj, path)?;
+    if len != n {
+        return Err(WireError::encode(
+            path(),
+            format!("has {len} entries, expected {n} (one per wire id)"),
+        ));
+    }
+    Ok(())
+}
+
 /// Extracts an optional logprobs column of `n` entries.
 fn logprobs_column(
     obj: Option<&Bound<'_, PyAny>>,
@@ -130,13 +146,7 @@ fn logprobs_column(
         return Ok(None);
     };
     let path = || format!("OutputBatch.{name}");
-    let len = extract::len(obj, &path)?;
-    if len != n {
-        return Err(WireError::encode(
-            path(),
-            format!("has {len} entries, expected {n} (one per wire id)"),
-        ));
-    }
+    expect_len(obj, n, &path)?;
     let mut column = LogprobsColumn::default();
     column.entries.reserve(n);
     extract::for_each(obj, &path, |i, item| {
@@ -156,13 +166,7 @@ fn column<'py, T>(
         return Ok(None);
     };
     let path = || format!("OutputBatch.{name}");
-    let len = extract::len(obj, &path)?;
-    if len != n {
-        return Err(WireError::encode(
-            path(),
-            format!("has {len} entries, expected {n} (one per wire id)"),
-        ));
-    }
+    expect_len(obj, n, &path)?;
     let mut out = Vec::with_capacity(n);
     extract::for_each(obj, &path, |i, item| {
         out.push(read(i, item)?);
@@ -187,13 +191,7 @@ fn extract_columns(
     };
     let n = c.wire_ids.len();
     let tokens_path = || "OutputBatch.new_token_ids".to_string();
-    let len = extract::len(new_token_ids, &tokens_path)?;
-    if len != n {
-        return Err(WireError::encode(
-            tokens_path(),
-            format!("has {len} entries, expected {n} (one per wire id)"),
-        ));
-    }
+    expect_len(new_token_ids, n, &tokens_path)?;
     c.token_offsets.reserve(n + 1);
     c.token_offsets.push(0);
     c.token_ids.reserve(n);
