@@ -1,6 +1,6 @@
 """Wire codec through the Python API vs msgspec and pickle, on the same data.
 
-    python benches/bench_codec.py [--reps 7] [--window 0.5]
+    python benches/bench_codec.py [--reps 7] [--window 0.2] [--quick]
 
 Cases: a 256-request output batch with one new token each (4 of them finished),
 the same with top-5 logprobs, and a burst of 256 AddRequests with 512-token
@@ -477,7 +477,11 @@ def median_us(op: Callable[[], Any], reps: int, target_s: float = 0.2) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--window", type=float, default=0.2, help="seconds per repetition")
+    parser.add_argument("--quick", action="store_true", help="1 rep of 10 ms: checks that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.window = 1, 0.01
     rng = random.Random(0)
     cases = [
         output_batch_case(rng, with_logprobs=False),
@@ -490,15 +494,15 @@ def main() -> None:
         print("| op | impl | median µs | vs msgspec | frame bytes |")
         print("|---|---|---:|---:|---:|")
         for op_name in ("encode", "decode", "decode+access"):
-            base = median_us(case.ops["msgspec"][op_name], args.reps)
+            base = median_us(case.ops["msgspec"][op_name], args.reps, args.window)
             for impl, ops in case.ops.items():
-                t = base if impl == "msgspec" else median_us(ops[op_name], args.reps)
+                t = base if impl == "msgspec" else median_us(ops[op_name], args.reps, args.window)
                 size = case.sizes[impl]
                 print(f"| {op_name} | {impl} | {t:.1f} | {t / base:.2f} | {size} |")
         print("\n| asyncllm, GIL held | median µs |")
         print("|---|---:|")
         for probe_name, probe in case.gil_probes.items():
-            print(f"| {probe_name} | {median_us(probe, args.reps):.1f} |")
+            print(f"| {probe_name} | {median_us(probe, args.reps, args.window):.1f} |")
 
 
 if __name__ == "__main__":

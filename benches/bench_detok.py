@@ -8,7 +8,7 @@ can pass ids decoded from the wire's raw token bytes without making Python ints)
 Theirs: one `DecodeStream.step` per stream per token. The texts must be identical.
 Reports tokens/s of each and the ratios measured in the same run; medians over runs.
 
-    python benches/bench_detok.py [--tokenizer llama-3-8b] [--runs 5]
+    python benches/bench_detok.py [--tokenizer llama-3-8b] [--runs 5] [--quick]
 """
 
 from __future__ import annotations
@@ -98,8 +98,11 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="one tokenizer, 16 x 64 tokens, 1 run")
     args = parser.parse_args()
     names = args.tokenizer or ["llama-3-8b", "llama-2"]
+    if args.quick:
+        names, args.streams, args.tokens, args.runs = names[:1], 16, 64, 1
     print(f"{args.streams} streams x {args.tokens} tokens, single thread, {args.runs} runs")
     print(
         f"{'tokenizer':<14} {'ours (list) tok/s':>18} {'ours (array) tok/s':>19}"

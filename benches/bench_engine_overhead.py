@@ -20,7 +20,7 @@ Subcommands, one per measurement (`all` runs them in turn):
   startup  wall time from `LLM(...)` / `AsyncLLM.from_engine_args(...)` to the
            first generated token on the micro model, a fresh process each time.
 
-    python benches/bench_engine_overhead.py all --runs 5 [--json out.json]
+    python benches/bench_engine_overhead.py [all] --runs 5 [--json out.json] [--quick]
 
 Only steps where at least 90 % of the streams decode count toward the gap
 medians, so the arrival ramp and the tail do not blur the steady state.
@@ -53,7 +53,8 @@ def _build_micro(root: Path) -> Path:
     out = root / "micro"
     if not (out / "config.json").is_file():
         code = f"from models import build_model; build_model('micro', {str(root)!r})"
-        subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, check=True)
+        if subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent).returncode:
+            raise SystemExit("could not build the micro model (its error is above)")
     return out
 
 
@@ -364,7 +365,7 @@ COMMANDS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("command", choices=[*COMMANDS, "all"])
+    ap.add_argument("command", nargs="?", default="all", choices=[*COMMANDS, "all"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream (gap, gil)")
@@ -382,7 +383,12 @@ def main() -> None:
         help="gil: the core's busy loop alone on CPU 0, its IO threads and the front end on CPU 1",
     )
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--quick", action="store_true", help="1 run of 16 streams x 16 tokens: checks that it runs"
+    )
     a = ap.parse_args()
+    if a.quick:
+        a.runs, a.streams, a.tokens, a.busy_tokens, a.stop_tokens = 1, 16, 16, 8, 8
     root = Path(a.models or os.path.join(tempfile.gettempdir(), "asyncllm-bench-models"))
     model = _build_micro(root)
     results = {}

@@ -1,7 +1,7 @@
 """Offline throughput: asyncllm's `LLM` against transformers `generate`, and the
 engine's decode step against a bare plain-torch decode step (the floor).
 
-    python benches/bench_offline.py [--models micro small] [--repeats 3]
+    python benches/bench_offline.py [--models micro small] [--repeats 3] [--quick]
 
 Workloads (fixed seed): "fixed" = 256 requests, 32-token prompts, 128 output
 tokens; "mixed" = 256 requests, prompts of 16-512 tokens, outputs of 16-256.
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import FloorDecode  # noqa: E402
-from models import build_model  # noqa: E402
+from models import QUICK_HELP, build_model  # noqa: E402
 
 VOCAB = 32000
 
@@ -158,7 +158,12 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--floor-repeats", type=int, default=15, help="paired engine/floor steps")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
+    context = 96  # the fixed workload decodes at 32..160 tokens of context: mean 96
+    if args.quick:
+        args.models, args.workloads, args.num_requests = ["micro"], ["fixed"], 8
+        args.repeats, args.floor_repeats, context = 1, 3, 36
     threads = torch.get_num_threads()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,6 +171,8 @@ def main() -> None:
             model_dir = build_model(model_name, Path(tmp))
             for wl in args.workloads:
                 prompts, outs = workload(wl, args.num_requests)
+                if args.quick:
+                    outs = [min(n, 8) for n in outs]
                 eng, hf, ratios = [], [], []
                 for _ in range(args.repeats):  # interleaved, so load hits both alike
                     eng.append(run_engine(model_dir, prompts, outs))
@@ -184,8 +191,7 @@ def main() -> None:
                 if steps:
                     row["decode256_step_ms"] = median(steps)
                 if wl == "fixed":
-                    # the fixed workload decodes at 32..160 tokens of context: mean 96
-                    row.update(paired_decode_vs_floor(model_dir, 96, args.floor_repeats))
+                    row.update(paired_decode_vs_floor(model_dir, context, args.floor_repeats))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()

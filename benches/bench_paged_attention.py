@@ -1,6 +1,6 @@
 """Decode attention at batch 256: asyncllm's paged op vs SDPA on a contiguous cache.
 
-Usage: python benches/bench_paged_attention.py [--threads N] [--repeats R]
+Usage: python benches/bench_paged_attention.py [--threads N] [--repeats R] [--quick]
 Three ways to attend one decode step's queries over their contexts (ragged, ±10 %
 around ctx): `rust` is `paged_attention` on the Rust kernel (K/V read in place
 through the block tables), `torch` the same call on the torch path (gather, then
@@ -34,15 +34,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="micro at ctx 100, 2 repeats")
     args = parser.parse_args()
+    configs, contexts = CONFIGS, (100, 300)
+    if args.quick:
+        configs, contexts, args.repeats = {"micro": CONFIGS["micro"]}, (100,), 2
     torch.set_num_threads(args.threads)
     print(f"threads={args.threads}  batch=256  block_size=16  (ms per layer call, median)")
     print(
         f"{'model':6} {'ctx':>4} {'rust':>7} {'torch':>7} {'contig':>7} "
         f"{'rust/contig':>11} {'torch/contig':>12}"
     )
-    for name, (heads, kv_heads, head_dim) in CONFIGS.items():
-        for ctx in (100, 300):
+    for name, (heads, kv_heads, head_dim) in configs.items():
+        for ctx in contexts:
             rust, torch_path, contig = bench(heads, kv_heads, head_dim, ctx, args.repeats)
             print(
                 f"{name:6} {ctx:>4} {rust:7.2f} {torch_path:7.2f} {contig:7.2f} "

@@ -1,7 +1,7 @@
 """The HTTP layer's cost: `asyncllm bench serving` against `asyncllm serve`, and the
 same workload on `AsyncLLM` in-process, with the same model and prompts.
 
-    python benches/bench_serving.py [--model small] [--concurrency 64] [--num-prompts 128]
+    python benches/bench_serving.py [--model small] [--concurrency 64] [--num-prompts 128] [--quick]
 
 Both sides stream every request (128 output tokens, EOS ignored, greedy) with at
 most `--concurrency` in flight, and time TTFT / ITL / TPOT the same way: from the
@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import build_model  # noqa: E402
+from models import QUICK_HELP, build_model  # noqa: E402
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams  # noqa: E402
 from asyncllm.server.bench import RequestResult, bench_serving, make_prompt, summarize  # noqa: E402
@@ -92,7 +92,10 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = p.parse_args()
+    if args.quick:
+        args.model, args.concurrency, args.num_prompts, args.output_len = "micro", 4, 8, 8
     ns = argparse.Namespace(
         base_url="",
         model=None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,14 +35,18 @@ MODELS = {
 }
 
 
-def build_model(name: str, root: Path, seed: int = 0) -> Path:
-    """Save a random-weight Llama with the llama-2 tokenizer under root/name."""
+QUICK_HELP = "the smallest settings, a few seconds: checks that it runs (CI); figures mean nothing"
+
+
+def build_model(name: str, root: str | Path, seed: int = 0) -> Path:
+    """Save a random-weight Llama with the llama-2 tokenizer under root/name (root
+    may be a str: bench_engine_overhead passes one through a child's command line)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer_dir = ASSETS / "tokenizers" / "llama-2"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise SystemExit(f"tokenizer assets not found at {tokenizer_dir} (set ASYNCLLM_ASSETS)")
-    out = root / name
+    out = Path(root) / name
     if (out / "config.json").is_file():
         return out
     config = LlamaConfig(
@@ -54,8 +59,20 @@ def build_model(name: str, root: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if (tokenizer_dir / f).is_file():
-            shutil.copy(tokenizer_dir / f, out / f)
+    # Written beside, then renamed: an interrupted build leaves no half model behind
+    # that a later run would take for a finished one.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # as a plain mkdir would have made it
+        model.save_pretrained(tmp)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if (tokenizer_dir / f).is_file():
+                shutil.copy(tokenizer_dir / f, tmp / f)
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():  # not another process winning the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
