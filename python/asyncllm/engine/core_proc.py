@@ -33,10 +33,10 @@ from asyncllm import _core, envs
 from asyncllm.config import EngineArgs
 from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
-from asyncllm.engine.core import EngineCore
-from asyncllm.engine.messages import StepOutputs
+from asyncllm.engine.core import EngineCore, build_engine_core
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError
+from asyncllm.messages import StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EngineCoreProc:
         )
         self._output_thread.start()
         try:
-            self.core = _build_core(args)
+            self.core = build_engine_core(args)
         except BaseException as exc:
             self.output_queue.put(_core.encode_engine_error(_describe(exc)))
             self.close()
@@ -277,17 +277,6 @@ class EngineCoreProc:
         """Flush what is queued for the front end and stop the output thread."""
         self.output_queue.put(_Stop)
         self._output_thread.join(timeout=_LINGER_MS / 1000 + 1)
-
-
-def _build_core(args: EngineArgs) -> EngineCore:
-    from asyncllm.frontend.tokenizer import Tokenizer, resolve_eos_token_ids
-    from asyncllm.models.hf_config import load_hf_config
-
-    hf_config = load_hf_config(args.model)
-    config = args.resolve(hf_config)
-    tokenizer = Tokenizer(config.tokenizer)
-    eos = resolve_eos_token_ids(config.model, hf_config, tokenizer)
-    return EngineCore(config, hf_config, eos)
 
 
 def _describe(exc: BaseException) -> str:
