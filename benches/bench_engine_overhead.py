@@ -210,16 +210,10 @@ async def _mp_null_run(
 
 def _inproc_gap(model: Path, n: int, tokens: int) -> dict[str, float]:
     """An EngineCore stepped in this process, outputs discarded: IO idle."""
-    from asyncllm.engine.core import EngineCore
-    from asyncllm.engine.messages import EngineCoreRequest
-    from asyncllm.frontend.tokenizer import Tokenizer, resolve_eos_token_ids
-    from asyncllm.models.hf_config import load_hf_config
+    from asyncllm.engine.core import build_engine_core
+    from asyncllm.messages import EngineCoreRequest
 
-    args = _null_args(model, 0.0, n)
-    hf = load_hf_config(args.model)
-    config = args.resolve(hf)
-    eos = resolve_eos_token_ids(config.model, hf, Tokenizer(config.tokenizer))
-    core = EngineCore(config, hf, eos)
+    core = build_engine_core(_null_args(model, 0.0, n))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     for i, p in enumerate(_prompts(n)):
         core.add_request(EngineCoreRequest(i, p, params))

@@ -76,10 +76,10 @@ def decoding_core(model_dir: Path, context: int, steps_ahead: int) -> Any:
     """An in-process EngineCore with 256 requests decoding at `context` tokens, with
     room for `steps_ahead` more decode steps: the engine side of the floor checks."""
     from asyncllm import EngineArgs, SamplingParams
-    from asyncllm.engine.core_proc import _build_core
-    from asyncllm.engine.messages import EngineCoreRequest
+    from asyncllm.engine.core import build_engine_core
+    from asyncllm.messages import EngineCoreRequest
 
-    core = _build_core(
+    core = build_engine_core(
         EngineArgs(
             model=str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=8192
         )

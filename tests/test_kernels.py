@@ -45,7 +45,7 @@ def test_matches_sdpa(heads: int, kv_heads: int, head_dim: int, threads: int) ->
     q, cache, tables, seq_lens = _case(heads, kv_heads, head_dim, lens)
     scale = head_dim**-0.5
     out = torch.empty(len(lens), heads * head_dim)
-    _core.paged_decode_attention(
+    _core._paged_decode_attention(
         out.numpy(), q.numpy(), cache.numpy(), tables, seq_lens, scale, threads
     )
     torch.testing.assert_close(out, _reference(q, cache, tables, seq_lens, scale))
@@ -54,8 +54,8 @@ def test_matches_sdpa(heads: int, kv_heads: int, head_dim: int, threads: int) ->
 def test_int32_tables_give_the_same_result() -> None:
     q, cache, tables, lens = _case(4, 2, 32, [20, 40])
     a, b = torch.empty(2, 128), torch.empty(2, 128)
-    _core.paged_decode_attention(a.numpy(), q.numpy(), cache.numpy(), tables, lens, 0.2, 2)
-    _core.paged_decode_attention(
+    _core._paged_decode_attention(a.numpy(), q.numpy(), cache.numpy(), tables, lens, 0.2, 2)
+    _core._paged_decode_attention(
         b.numpy(), q.numpy(), cache.numpy(), tables.astype(np.int32), lens.astype(np.int32), 0.2, 2
     )
     assert torch.equal(a, b)
@@ -77,7 +77,7 @@ def test_bad_arguments_raise_value_error_and_write_nothing() -> None:
         )
         args.update(kw)
         with pytest.raises(ValueError) as info:
-            _core.paged_decode_attention(**args)
+            _core._paged_decode_attention(**args)
         assert bool((out == 7.0).all())
         return str(info.value)
 
@@ -89,6 +89,26 @@ def test_bad_arguments_raise_value_error_and_write_nothing() -> None:
     bad = tables.copy()
     bad[1, 0] = cache.shape[1]
     assert "block id" in call(block_tables=bad)
-    assert "overlap" in call(out=q.flatten(1).numpy())
+    assert "overlap" in call(out=cache.view(-1)[: 2 * 128].view(2, 128).numpy())
     assert "num_threads" in call(num_threads=0)
     assert "writable" in call(out=np.frombuffer(bytes(2 * 128 * 4), np.float32).reshape(2, 128))
+
+
+def test_the_kernel_binding_is_private() -> None:
+    """Only asyncllm.models.attention may call it: it releases the GIL and reads
+    the KV cache in place, which is sound only while no other thread writes it."""
+    assert not hasattr(_core, "paged_decode_attention")
+    assert "paged_decode_attention" not in getattr(_core, "__all__", [])
+
+
+def test_inputs_aliasing_out_are_read_before_it_is_written() -> None:
+    # q, block tables and lengths are copied before the kernel runs, so a q that
+    # shares memory with out still gives the result of a separate q.
+    q, cache, tables, lens = _case(4, 4, 32, [20, 40])
+    want = torch.empty(2, 128)
+    _core._paged_decode_attention(want.numpy(), q.numpy(), cache.numpy(), tables, lens, 0.2, 1)
+    shared = q.clone()
+    _core._paged_decode_attention(
+        shared.view(2, 128).numpy(), shared.numpy(), cache.numpy(), tables, lens, 0.2, 1
+    )
+    assert torch.equal(shared.view(2, 128), want)

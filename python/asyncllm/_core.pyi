@@ -410,8 +410,10 @@ class Detokenizer:
 # --- kernels (rust/py/kernels.rs) ---
 # CPU compute kernels over buffer-protocol arrays: pass `tensor.numpy()`, zero-copy
 # for CPU tensors. Every argument is checked before anything is written, and every
-# problem raises ValueError. The GIL is released while a kernel computes, so other
-# threads must not write to its buffers meanwhile.
+# problem raises ValueError. Private to the package: the GIL is released while a
+# kernel computes and the KV cache is read in place, so the one caller
+# (asyncllm.models.attention) guarantees that no other thread writes the cache or
+# touches `out` meanwhile.
 
 import numpy as _np  # noqa: E402
 from typing_extensions import Buffer as _PyBuffer  # noqa: E402
@@ -419,7 +421,7 @@ from typing_extensions import Buffer as _PyBuffer  # noqa: E402
 # numpy's stubs declare the buffer protocol only for Python >= 3.12.
 _Buffer = _PyBuffer | _np.ndarray
 
-def paged_decode_attention(
+def _paged_decode_attention(
     out: _Buffer,
     q: _Buffer,
     kv_cache: _Buffer,
@@ -442,6 +444,7 @@ def paged_decode_attention(
     [num_seqs, blocks_per_seq] int64 or int32; entries past a sequence's last block
     are not read. seq_lens: [num_seqs] int64 or int32, each in
     1..blocks_per_seq * block_size. All C-contiguous; `out` writable and apart from
-    the inputs. The work is split over `num_threads` threads (at least 1; pass
+    kv_cache (q, block_tables and seq_lens are copied before the GIL is released).
+    The work is split over `num_threads` threads (at least 1; pass
     `torch.get_num_threads()`). Raises ValueError on a wrong dtype, shape or
     layout, a seq_len out of range or a block id outside 0..num_blocks."""

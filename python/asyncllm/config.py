@@ -58,7 +58,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     # "torch" runs the model; "null" samples without one, for measuring the engine
-    # around the model (see asyncllm.engine.null_runner).
+    # around the model (see asyncllm.worker.null_runner).
     executor: str = "torch"
     null_step_delay_ms: float = 0.0
 

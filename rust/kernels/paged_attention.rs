@@ -20,6 +20,7 @@
 //! Decode attention is memory-bound (a handful of flops per byte of K/V), so the
 //! code is about reading memory well; the arithmetic only has to vectorise.
 
+use std::marker::PhantomData;
 #[cfg(target_os = "linux")]
 use std::sync::{Mutex, PoisonError};
 
@@ -94,6 +95,86 @@ fn shape_err(msg: String) -> KernelError {
     KernelError::Shape(msg)
 }
 
+/// The paged KV cache a call reads, as a pointer and a length rather than a
+/// slice: the memory usually belongs to another runtime (a torch tensor), and
+/// a `&[f32]` over all of it for the whole call would claim more than the
+/// kernel needs. Every read goes through `row`, a bounds-checked view of one
+/// K or V row that lives only while that row is processed.
+#[derive(Clone, Copy)]
+pub struct KvCache<'a> {
+    ptr: *const f32,
+    len: usize,
+    _memory: PhantomData<&'a [f32]>,
+}
+
+// SAFETY: a `KvCache` only ever reads its memory, and the contract of its
+// constructors (a borrowed slice, or `from_raw`'s "valid for reads and not
+// written for 'a") holds on every thread alike: sharing it is sharing a
+// `&'a [f32]`, which is Send and Sync.
+unsafe impl Send for KvCache<'_> {}
+// SAFETY: as for Send: shared read-only access to memory nobody writes.
+unsafe impl Sync for KvCache<'_> {}
+
+impl<'a> KvCache<'a> {
+    /// A cache held in Rust memory (tests, benchmarks).
+    pub fn new(cache: &'a [f32]) -> Self {
+        KvCache {
+            ptr: cache.as_ptr(),
+            len: cache.len(),
+            _memory: PhantomData,
+        }
+    }
+
+    /// A cache of `len` f32 at `ptr`, e.g. a Python buffer.
+    ///
+    /// # Safety
+    /// `ptr` is non-null, aligned for f32 and valid for reads of `len` elements
+    /// for all of `'a`, and nothing writes that memory during `'a`.
+    pub unsafe fn from_raw(ptr: *const f32, len: usize) -> Self {
+        KvCache {
+            ptr,
+            len,
+            _memory: PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The K half and the V half.
+    fn halves(self) -> (KvCache<'a>, KvCache<'a>) {
+        let half = self.len / 2;
+        let v = KvCache {
+            // `wrapping_add` because an empty cache may have a dangling pointer;
+            // `row` never reads past `len`, so the pointer is only read in bounds.
+            ptr: self.ptr.wrapping_add(half),
+            len: self.len - half,
+            _memory: PhantomData,
+        };
+        (KvCache { len: half, ..self }, v)
+    }
+
+    /// `len` elements from `start`. Panics when out of bounds, so memory safety
+    /// never rests on the callers' index arithmetic.
+    #[inline(always)]
+    fn row(&self, start: usize, len: usize) -> &'a [f32] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "KV row {start}+{len} outside a cache of {} elements",
+            self.len
+        );
+        // SAFETY: the range was just checked to lie within the `len` elements
+        // the constructor's contract makes valid for reads and unwritten for
+        // 'a (`new`: a borrowed slice; `from_raw`: its caller's promise).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(start), len) }
+    }
+}
+
 /// Writes `out[b, h*D..(h+1)*D] = softmax(scale * q[b,h] · K_b^T) V_b` for every
 /// sequence `b` and query head `h`, where `K_b`, `V_b` are the first
 /// `seq_lens[b]` tokens of the sequence read through its block table and query
@@ -108,7 +189,7 @@ fn shape_err(msg: String) -> KernelError {
 pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
     shape: &DecodeShape,
     q: &[f32],
-    kv_cache: &[f32],
+    kv_cache: KvCache<'_>,
     block_tables: &[T],
     seq_lens: &[L],
     scale: f32,
@@ -134,7 +215,7 @@ pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
 pub(super) fn run<T: BlockIndex, L: BlockIndex>(
     shape: &DecodeShape,
     q: &[f32],
-    kv_cache: &[f32],
+    kv_cache: KvCache<'_>,
     block_tables: &[T],
     seq_lens: &[L],
     scale: f32,
@@ -210,8 +291,8 @@ struct Job<'a, T> {
     shape: DecodeShape,
     group: usize,
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    k: KvCache<'a>,
+    v: KvCache<'a>,
     block_tables: &'a [T],
     seq_lens: Vec<usize>,
     scale: f32,
@@ -228,7 +309,7 @@ impl<'a, T: BlockIndex> Job<'a, T> {
     fn new<L: BlockIndex>(
         shape: &DecodeShape,
         q: &'a [f32],
-        kv_cache: &'a [f32],
+        kv_cache: KvCache<'a>,
         block_tables: &'a [T],
         seq_lens: &[L],
         scale: f32,
@@ -280,7 +361,7 @@ impl<'a, T: BlockIndex> Job<'a, T> {
             }
             lens.push(len);
         }
-        let (k, v) = kv_cache.split_at(cache_len / 2);
+        let (k, v) = kv_cache.halves();
         let token_stride = shape.num_kv_heads * shape.head_dim;
         Ok(Job {
             shape: *shape,
@@ -390,8 +471,8 @@ fn attend<const AVX2: bool, T: BlockIndex>(
         if let Some(next) = table.get(j + 1) {
             let next = base_of(next);
             for t in 0..bs.min(len - (j + 1) * bs) {
-                prefetch(&job.k[next + t * ts..][..row]);
-                prefetch(&job.v[next + t * ts..][..row]);
+                prefetch(job.k.row(next + t * ts, row));
+                prefetch(job.v.row(next + t * ts, row));
             }
         }
         for h in 0..heads {
@@ -399,7 +480,7 @@ fn attend<const AVX2: bool, T: BlockIndex>(
             let out = &mut out[h * group * d..][..group * d];
             let (max, sum) = (&mut s.max[h * group..], &mut s.sum[h * group..]);
             for t in 0..n {
-                let key = &job.k[base + t * ts + h * d..][..d];
+                let key = job.k.row(base + t * ts + h * d, d);
                 for (g, qg) in q.chunks_exact(d).enumerate() {
                     s.scores[g * bs + t] = dot::<AVX2>(qg, key) * job.scale;
                 }
@@ -418,7 +499,7 @@ fn attend<const AVX2: bool, T: BlockIndex>(
                 sum[g] += exp_shifted_sum::<AVX2>(row, max[g]);
             }
             for t in 0..n {
-                let value = &job.v[base + t * ts + h * d..][..d];
+                let value = job.v.row(base + t * ts + h * d, d);
                 for (g, out) in out.chunks_exact_mut(d).enumerate() {
                     axpy::<AVX2>(s.scores[g * bs + t], value, out);
                 }

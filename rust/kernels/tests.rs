@@ -2,7 +2,7 @@
 //! instruction-set variant this machine runs.
 
 use super::paged_attention::{exp_for_tests, run, Isa};
-use super::{paged_decode_attention, DecodeShape, KernelError};
+use super::{paged_decode_attention, DecodeShape, KernelError, KvCache};
 
 /// A small deterministic generator (xorshift), values in [-1, 1).
 struct Rng(u64);
@@ -137,7 +137,7 @@ fn check(c: &Case) {
             run(
                 &c.shape,
                 &c.q,
-                &c.cache,
+                KvCache::new(&c.cache),
                 &c.tables,
                 &c.seq_lens,
                 c.scale,
@@ -191,7 +191,7 @@ fn thread_counts_give_identical_results() {
         paged_decode_attention(
             &c.shape,
             &c.q,
-            &c.cache,
+            KvCache::new(&c.cache),
             &c.tables,
             &c.seq_lens,
             c.scale,
@@ -210,11 +210,21 @@ fn int32_tables_and_lengths_work() {
     let tables: Vec<i32> = c.tables.iter().map(|&x| x as i32).collect();
     let lens: Vec<i32> = c.seq_lens.iter().map(|&x| x as i32).collect();
     let (mut a, mut b) = (vec![0.0; c.q.len()], vec![0.0; c.q.len()]);
-    paged_decode_attention(&c.shape, &c.q, &c.cache, &tables, &lens, c.scale, 2, &mut a).unwrap();
     paged_decode_attention(
         &c.shape,
         &c.q,
-        &c.cache,
+        KvCache::new(&c.cache),
+        &tables,
+        &lens,
+        c.scale,
+        2,
+        &mut a,
+    )
+    .unwrap();
+    paged_decode_attention(
+        &c.shape,
+        &c.q,
+        KvCache::new(&c.cache),
         &c.tables,
         &c.seq_lens,
         c.scale,
@@ -231,7 +241,14 @@ fn bad_arguments_are_rejected_before_writing() {
     let call = |shape: &DecodeShape, tables: &[i64], lens: &[i64], threads: usize| {
         let mut out = vec![7.0f32; c.q.len()];
         let result = paged_decode_attention(
-            shape, &c.q, &c.cache, tables, lens, c.scale, threads, &mut out,
+            shape,
+            &c.q,
+            KvCache::new(&c.cache),
+            tables,
+            lens,
+            c.scale,
+            threads,
+            &mut out,
         );
         assert!(out.iter().all(|&x| x == 7.0));
         result.unwrap_err()

@@ -1,14 +1,15 @@
 //! Python binding of the CPU kernels (`crate::kernels`). Tensors come in as
 //! buffer-protocol objects (`tensor.numpy()`, zero-copy for CPU tensors): their
-//! dtypes, shapes and contiguity are checked with the GIL held, then the kernel
-//! runs on the borrowed memory with the GIL released.
+//! dtypes, shapes and contiguity are checked with the GIL held, the small
+//! operands copied, then the kernel runs with the GIL released, reading the KV
+//! cache in place through a raw pointer (`kernels::KvCache`).
 
 use pyo3::buffer::{Element, PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::error::Error;
-use crate::kernels::{self, BlockIndex, DecodeShape};
+use crate::kernels::{self, BlockIndex, DecodeShape, KvCache};
 
 /// A C-contiguous buffer of `ndim` dimensions holding `T`, or a `ValueError`
 /// naming the argument.
@@ -43,49 +44,46 @@ fn buffer<T: Element>(
     Ok(buf)
 }
 
-/// Block tables and sequence lengths: int64 (torch's index type) or int32.
+/// Block tables and sequence lengths, copied out of their buffers: int64
+/// (torch's index type) or int32.
 enum Ints {
-    I32(PyBuffer<i32>),
-    I64(PyBuffer<i64>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
 }
 
 impl Ints {
-    fn get(obj: &Bound<'_, PyAny>, name: &str, ndim: usize) -> PyResult<Self> {
+    /// The buffer's shape and a copy of its elements, or a `ValueError`.
+    fn copy(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        name: &str,
+        ndim: usize,
+    ) -> PyResult<(Vec<usize>, Self)> {
         match buffer::<i64>(obj, name, "int64 or int32", ndim) {
-            Ok(buf) => Ok(Ints::I64(buf)),
+            Ok(buf) => Ok((buf.shape().to_vec(), Ints::I64(buf.to_vec(py)?))),
             Err(err) => match buffer::<i32>(obj, name, "int32", ndim) {
-                Ok(buf) => Ok(Ints::I32(buf)),
+                Ok(buf) => Ok((buf.shape().to_vec(), Ints::I32(buf.to_vec(py)?))),
                 Err(_) => Err(err),
             },
         }
     }
+}
 
-    fn shape(&self) -> &[usize] {
-        match self {
-            Ints::I32(buf) => buf.shape(),
-            Ints::I64(buf) => buf.shape(),
-        }
-    }
-
-    fn bytes(&self) -> (usize, usize) {
-        match self {
-            Ints::I32(buf) => byte_range(buf),
-            Ints::I64(buf) => byte_range(buf),
-        }
+/// The buffer's first element, or a dangling (aligned, non-null) pointer when
+/// it has none: a zero-length buffer may report a null address, which neither
+/// `from_raw_parts_mut` nor `KvCache::from_raw` accepts. A non-empty buffer's
+/// address is never null.
+fn data_ptr<T: Element>(buf: &PyBuffer<T>) -> *mut T {
+    if buf.item_count() == 0 {
+        std::ptr::NonNull::dangling().as_ptr()
+    } else {
+        buf.buf_ptr().cast()
     }
 }
 
 fn byte_range<T: Element>(buf: &PyBuffer<T>) -> (usize, usize) {
     let start = buf.buf_ptr() as usize;
     (start, start + buf.len_bytes())
-}
-
-/// The buffer's elements. SAFETY: the caller keeps `buf` alive while the slice
-/// is used and must not hand out a mutable slice of the same memory.
-unsafe fn slice<T: Element>(buf: &PyBuffer<T>) -> &[T] {
-    // `buffer` checked contiguity, so the pointer is there.
-    buf.as_slice_ptr()
-        .map_or(&[], |ptr| unsafe { ptr.as_ref() })
 }
 
 /// Decode attention for `num_seqs` sequences of one query token each, reading
@@ -95,9 +93,15 @@ unsafe fn slice<T: Element>(buf: &PyBuffer<T>) -> &[T] {
 /// `[2, num_blocks, block_size, num_kv_heads, head_dim]` f32, block_tables
 /// `[num_seqs, blocks_per_seq]` and seq_lens `[num_seqs]` (int64 or int32).
 /// Raises `ValueError`, writing nothing, on any dtype, shape, contiguity or
-/// range problem. The GIL is released while it computes: other threads must
-/// not write to these buffers meanwhile.
-#[pyfunction]
+/// range problem.
+///
+/// Private to the package (`_paged_decode_attention`): its one caller,
+/// `asyncllm.models.attention._native_decode`, keeps the promise the GIL can
+/// no longer keep once it is released for the computation: no other thread
+/// writes `kv_cache` or touches `out` meanwhile. q, the block tables and the
+/// lengths are small and copied first, so they need no such promise, and the
+/// block ids the kernel checks are the ones it uses.
+#[pyfunction(name = "_paged_decode_attention")]
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
 fn paged_decode_attention(
     py: Python<'_>,
@@ -112,12 +116,12 @@ fn paged_decode_attention(
     let out = buffer::<f32>(out, "out", "float32", 2)?;
     let q = buffer::<f32>(q, "q", "float32", 3)?;
     let kv_cache = buffer::<f32>(kv_cache, "kv_cache", "float32", 5)?;
-    let tables = Ints::get(block_tables, "block_tables", 2)?;
-    let lens = Ints::get(seq_lens, "seq_lens", 1)?;
+    let (ts, tables) = Ints::copy(py, block_tables, "block_tables", 2)?;
+    let (ls, lens) = Ints::copy(py, seq_lens, "seq_lens", 1)?;
     if out.readonly() {
         return Err(PyValueError::new_err("out must be writable"));
     }
-    let (qs, cs, ts) = (q.shape(), kv_cache.shape(), tables.shape());
+    let (qs, cs) = (q.shape(), kv_cache.shape());
     let shape = DecodeShape {
         num_seqs: qs[0],
         num_heads: qs[1],
@@ -129,9 +133,8 @@ fn paged_decode_attention(
     };
     let mismatch = |what: &str| {
         PyValueError::new_err(format!(
-            "{what}: out {:?}, q {qs:?}, kv_cache {cs:?}, block_tables {ts:?}, seq_lens {:?}",
+            "{what}: out {:?}, q {qs:?}, kv_cache {cs:?}, block_tables {ts:?}, seq_lens {ls:?}",
             out.shape(),
-            lens.shape()
         ))
     };
     if cs[0] != 2 || cs[4] != shape.head_dim {
@@ -139,7 +142,7 @@ fn paged_decode_attention(
             "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]",
         ));
     }
-    if ts[0] != shape.num_seqs || lens.shape()[0] != shape.num_seqs {
+    if ts[0] != shape.num_seqs || ls[0] != shape.num_seqs {
         return Err(mismatch(
             "block_tables and seq_lens must have a row per sequence of q",
         ));
@@ -148,45 +151,48 @@ fn paged_decode_attention(
         return Err(mismatch("out must be [num_seqs, num_heads * head_dim]"));
     }
     let written = byte_range(&out);
-    let read = [
-        byte_range(&q),
-        byte_range(&kv_cache),
-        tables.bytes(),
-        lens.bytes(),
-    ];
-    if read.iter().any(|r| r.0 < written.1 && written.0 < r.1) {
-        return Err(PyValueError::new_err("out must not overlap the inputs"));
+    let cache = byte_range(&kv_cache);
+    if cache.0 < written.1 && written.0 < cache.1 {
+        return Err(PyValueError::new_err("out must not overlap kv_cache"));
     }
-    // SAFETY: the buffers stay alive (and their exporters cannot resize them)
-    // until this function returns; `out` is writable and overlaps nothing else.
-    let (q, kv) = unsafe { (slice(&q), slice(&kv_cache)) };
-    let mut out_ptr = out
-        .as_slice_ptr()
-        .ok_or_else(|| PyValueError::new_err("out must be C-contiguous"))?;
-    let out = unsafe { out_ptr.as_mut() };
+    let q = q.to_vec(py)?;
+    // SAFETY: `kv_cache` is a C-contiguous (checked by `buffer`) f32 buffer
+    // whose pointer pyo3 checked to be aligned (non-null: `data_ptr`), valid for reads of its
+    // `item_count` elements while the `PyBuffer` is held: until this function
+    // returns, which outlives every use of `kv`. No one writes it meanwhile: the
+    // exporter cannot resize a buffer with an export outstanding, `out` (the
+    // only memory written here) was checked not to overlap it, and the sole
+    // caller (see above) runs the model on the thread that alone writes the
+    // cache, which is blocked in this call.
+    let kv = unsafe { KvCache::from_raw(data_ptr(&kv_cache), kv_cache.item_count()) };
+    // SAFETY: `out` is C-contiguous, aligned (pyo3 checked), writable (checked
+    // above) and valid for its `item_count` elements while the `PyBuffer` is
+    // held, i.e. for all of this function; it overlaps no other operand (the
+    // rest are copies, and `kv_cache` was checked). It is exclusively ours for
+    // the call: the sole caller passes a tensor it has just allocated and
+    // shares with no other thread.
+    let out = unsafe { std::slice::from_raw_parts_mut(data_ptr(&out), out.item_count()) };
     let result = match (&tables, &lens) {
-        (Ints::I64(t), Ints::I64(l)) => run(py, &shape, q, kv, t, l, scale, num_threads, out),
-        (Ints::I64(t), Ints::I32(l)) => run(py, &shape, q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I64(l)) => run(py, &shape, q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I32(l)) => run(py, &shape, q, kv, t, l, scale, num_threads, out),
+        (Ints::I64(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
+        (Ints::I64(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
+        (Ints::I32(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
+        (Ints::I32(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
     };
     result.map_err(|e| Error::from(e).into())
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<T: BlockIndex + Element, L: BlockIndex + Element>(
+fn run<T: BlockIndex, L: BlockIndex>(
     py: Python<'_>,
     shape: &DecodeShape,
     q: &[f32],
-    kv_cache: &[f32],
-    tables: &PyBuffer<T>,
-    lens: &PyBuffer<L>,
+    kv_cache: KvCache<'_>,
+    tables: &[T],
+    lens: &[L],
     scale: f32,
     num_threads: usize,
     out: &mut [f32],
 ) -> Result<(), kernels::KernelError> {
-    // SAFETY: as for q and kv_cache in the caller.
-    let (tables, lens) = unsafe { (slice(tables), slice(lens)) };
     py.detach(|| {
         kernels::paged_decode_attention(shape, q, kv_cache, tables, lens, scale, num_threads, out)
     })

@@ -12,14 +12,15 @@ from collections.abc import Iterable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.config import EngineConfig
+from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
-from asyncllm.engine.messages import EngineCoreRequest, SchedulerStats, StepOutputs
-from asyncllm.engine.null_runner import NullModelRunner
 from asyncllm.errors import InvalidRequestError
+from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.token_checks import check_token_ids
+from asyncllm.tokenizer_files import resolve_eos_token_ids
+from asyncllm.worker.null_runner import NullModelRunner
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner
@@ -151,3 +152,14 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.pool.reset_prefix_cache()
+
+
+def build_engine_core(args: EngineArgs) -> EngineCore:
+    """The core for `args`: its model config, and the EOS ids read from the model's
+    and tokenizer's files (no tokenizer is loaded: the core knows token ids only)."""
+    from asyncllm.models.hf_config import load_hf_config
+
+    hf_config = load_hf_config(args.model)
+    config = args.resolve(hf_config)
+    eos = resolve_eos_token_ids(config.model, config.tokenizer, hf_config)
+    return EngineCore(config, hf_config, eos)

@@ -41,10 +41,10 @@ from asyncllm import _core, envs
 from asyncllm.config import EngineArgs
 from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
-from asyncllm.engine.core import EngineCore
-from asyncllm.engine.messages import StepOutputs
+from asyncllm.engine.core import EngineCore, build_engine_core
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError
+from asyncllm.messages import StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class EngineCoreProc:
         )
         self._output_thread.start()
         try:
-            self.core = _build_core(args)
+            self.core = build_engine_core(args)
         except BaseException as exc:
             self._put_output(_core.encode_engine_error(_describe(exc)))
             self.close()
@@ -355,17 +355,6 @@ class EngineCoreProc:
         limit = _LINGER_MS / 1000 + 1
         self._put_output(_Stop, timeout=limit)
         self._output_thread.join(timeout=limit)
-
-
-def _build_core(args: EngineArgs) -> EngineCore:
-    from asyncllm.frontend.tokenizer import Tokenizer, resolve_eos_token_ids
-    from asyncllm.models.hf_config import load_hf_config
-
-    hf_config = load_hf_config(args.model)
-    config = args.resolve(hf_config)
-    tokenizer = Tokenizer(config.tokenizer)
-    eos = resolve_eos_token_ids(config.model, hf_config, tokenizer)
-    return EngineCore(config, hf_config, eos)
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,7 +7,7 @@ The front end resolves everything a request needs before it leaves (a concrete
 from __future__ import annotations
 
 from asyncllm._core import AddRequest
-from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.token_checks import clamp_max_tokens
 

@@ -28,7 +28,6 @@ from typing import Any
 
 from asyncllm import _core, envs
 from asyncllm.config import EngineArgs
-from asyncllm.engine.messages import EngineCoreRequest
 from asyncllm.engine.wire import to_wire
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.core_client import MPClient
@@ -40,6 +39,7 @@ from asyncllm.frontend.output_processor import (
     ParentState,
 )
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 

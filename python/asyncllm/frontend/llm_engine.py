@@ -10,14 +10,14 @@ from collections.abc import Iterable
 
 from asyncllm import _core
 from asyncllm.config import EngineArgs
-from asyncllm.engine.core import EngineCore
-from asyncllm.engine.messages import EngineCoreRequest
+from asyncllm.engine.core import EngineCore, build_engine_core
 from asyncllm.engine.wire import to_wire
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.core_client import MPClient
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_processor import OutputProcessor, ParentState
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -40,9 +40,7 @@ class LLMEngine:
             ready = self.client.ready
             self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         else:
-            from asyncllm.engine.core_proc import _build_core
-
-            self.core = _build_core(args)
+            self.core = build_engine_core(args)
             self.max_model_len = self.core.config.max_model_len
             self.vocab_size = self.core.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)

@@ -8,7 +8,7 @@ KV cache layout, per layer (allocated by the model runner):
     [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 
 Decodes on CPU in float32 read K/V in place through the block tables with the Rust
-kernel `_core.paged_decode_attention` (rust/kernels/paged_attention.rs); every other
+kernel `_core._paged_decode_attention` (rust/kernels/paged_attention.rs); every other
 device and dtype gathers K/V out of the cache and runs SDPA.
 
 Everything that does not depend on the layer (block tables trimmed to what the step
@@ -216,7 +216,10 @@ def _native_decode(
     so no second pool competes with them: rust/kernels/team.rs)."""
     batch, num_heads, head_dim = q.shape
     out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype)
-    _core.paged_decode_attention(
+    # The kernel runs with the GIL released and reads kv_cache in place. Sound
+    # because this is the runner's thread, the only one that writes the cache
+    # (write_kv, just before), and `out` is a fresh tensor no one else holds.
+    _core._paged_decode_attention(
         out.numpy(),
         q.contiguous().numpy(),
         kv_cache.numpy(),

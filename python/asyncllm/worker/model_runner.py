@@ -17,7 +17,7 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
-from asyncllm.engine.messages import Logprobs
+from asyncllm.messages import Logprobs
 from asyncllm.models.attention import build_attention_metadata
 from asyncllm.models.loader import load_model
 from asyncllm.worker.input_batch import InputBatch
@@ -149,7 +149,3 @@ class ModelRunner:
             k = int(wanted[i])
             if k >= 0:
                 out.logprobs[rid] = Logprobs(ids[i][: k + 1], values[i][: k + 1], [ranks[i]])
-
-    def reset_kv_cache(self) -> None:
-        for cache in self.kv_caches:
-            cache.zero_()

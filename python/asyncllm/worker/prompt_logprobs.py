@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from asyncllm.engine.messages import Logprobs
+from asyncllm.messages import Logprobs
 
 if TYPE_CHECKING:
     from asyncllm.worker.input_batch import InputBatch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncllm.engine.messages import Logprobs
+from asyncllm.messages import Logprobs
 
 
 @dataclass(slots=True)

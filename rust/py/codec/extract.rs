@@ -158,11 +158,16 @@ fn exact_list<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyLi
 /// `item` is a live object and the GIL is held.
 #[inline]
 unsafe fn exact_int_u64(item: *mut ffi::PyObject) -> Option<u64> {
+    // SAFETY: `item` is live and the GIL is held (this function's contract).
     if unsafe { ffi::Py_TYPE(item) } != addr_of_mut!(ffi::PyLong_Type) {
         return None;
     }
+    // SAFETY: as above, and `item` is an exact int: the conversion runs no
+    // Python code (no `__index__`), only sets an error on overflow.
     let v = unsafe { ffi::PyLong_AsUnsignedLongLong(item) };
+    // SAFETY: the GIL is held; both calls only read or clear this thread's error.
     if v == u64::MAX && !unsafe { ffi::PyErr_Occurred() }.is_null() {
+        // SAFETY: as above; the overflow error is ours to clear.
         unsafe { ffi::PyErr_Clear() };
         return None;
     }
@@ -300,15 +305,19 @@ fn one_each(
 /// # Safety
 /// `obj` is a live object and the GIL is held.
 unsafe fn exact_int_list_into(obj: *mut ffi::PyObject, out: &mut Vec<u32>) -> bool {
+    // SAFETY: `obj` is live and the GIL is held (this function's contract).
     if unsafe { ffi::Py_TYPE(obj) } != addr_of_mut!(ffi::PyList_Type) {
         return false;
     }
     let start = out.len();
+    // SAFETY: as above, and `obj` was just checked to be a list.
     let n = unsafe { ffi::PyList_Size(obj) };
     out.reserve(n.max(0) as usize);
     for j in 0..n {
         // SAFETY: `j < n` and nothing here runs Python code.
         let item = unsafe { ffi::PyList_GetItem(obj, j) };
+        // SAFETY: `item` is a live borrowed item of the list (the list holds it
+        // and nothing here runs Python code that could drop it); the GIL is held.
         match unsafe { exact_int_u64(item) }.and_then(|v| u32::try_from(v).ok()) {
             Some(v) => out.push(v),
             None => {

@@ -1,4 +1,6 @@
-"""What crosses between the front end and the engine core.
+"""What crosses between the front end and the engine core, and what a model runner
+hands back (`Logprobs`). A leaf: it imports only `_core` and `sampling_params`, so
+the front end, the engine and the worker may all use it.
 
 Requests travel as `EngineCoreRequest`s (on the wire: `_core.AddRequest`); a step's
 outputs leave the core as `StepOutputs` columns, which the Rust codec encodes as
