@@ -23,7 +23,7 @@ import zmq
 
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.messages import SchedulerStats, StepOutputs
+from asyncllm.messages import SchedulerStats, StepOutputs
 from asyncllm.frontend.output_processor import OutputProcessingError
 from tiny_models import make_tiny_model
 
