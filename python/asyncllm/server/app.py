@@ -102,7 +102,11 @@ class GatewayMiddleware:
 def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     """The server's app around a started engine. The caller owns the engine (and
     shuts it down after the app has stopped)."""
-    source = resolve_template_source(config.chat_template, engine.tokenizer.config)
+    source = resolve_template_source(
+        config.chat_template,
+        engine.tokenizer.config,
+        (engine.tokenizer.directory, engine.args.model),
+    )
     tok = engine.tokenizer
     template = ChatTemplate(source, tok.bos_token, tok.eos_token) if source else None
     model_name = config.served_model_names[0]
