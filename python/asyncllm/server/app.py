@@ -36,7 +36,11 @@ logger = logging.getLogger(__name__)
 def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     """The server's app around a started engine. The caller owns the engine (and
     shuts it down after the app has stopped)."""
-    source = resolve_template_source(config.chat_template, engine.tokenizer.config)
+    source = resolve_template_source(
+        config.chat_template,
+        engine.tokenizer.config,
+        (engine.tokenizer.directory, engine.args.model),
+    )
     tok = engine.tokenizer
     template = ChatTemplate(source, tok.bos_token, tok.eos_token) if source else None
     metrics = ServerMetrics(config.served_model_names[0])

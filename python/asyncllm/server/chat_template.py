@@ -1,11 +1,13 @@
-"""Chat templates: the model's Jinja template (from `tokenizer_config.json` or a
-`--chat-template` file) rendered the way transformers' `apply_chat_template` does —
-a sandboxed environment with `trim_blocks`/`lstrip_blocks`, `raise_exception`,
-`tojson` and `strftime_now` — so prompts match what the model was trained on."""
+"""Chat templates: the model's Jinja template (a `--chat-template` file or string,
+`chat_template.jinja`, or `tokenizer_config.json`'s entry) rendered the way
+transformers' `apply_chat_template` does — a sandboxed environment with
+`trim_blocks`/`lstrip_blocks`, `raise_exception`, `tojson` and `strftime_now` — so
+prompts match what the model was trained on."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,20 +36,49 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def resolve_template_source(option: str | None, tokenizer_config: dict[str, Any]) -> str | None:
-    """The template text: `option` (a file path, or an inline template) when given,
-    else the tokenizer's `chat_template` ("default" of a named list), else None."""
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def resolve_template_source(
+    option: str | None,
+    tokenizer_config: dict[str, Any],
+    directories: Sequence[str | Path] = (),
+) -> str | None:
+    """The template text, found where transformers finds it: `option` (a file path,
+    or an inline template) when given; else `chat_template.jinja` in the first of
+    `directories` (the tokenizer's, then the model's) that has one — what current
+    `save_pretrained` writes; else `tokenizer_config.json`'s `chat_template` (a
+    string, or a list of {name, template}: "default", else the first); else None."""
     if option:
-        path = Path(option)
+        return _read_option(option)
+    for directory in directories:
+        path = Path(directory) / CHAT_TEMPLATE_FILE
         if path.is_file():
-            return path.read_text(encoding="utf-8")
-        if "{{" in option or "{%" in option:
-            return option
-        raise ConfigError(f"--chat-template {option!r}: no such file (nor an inline template)")
-    source = tokenizer_config.get("chat_template")
+            return _read_file(path)
+    return _from_tokenizer_config(tokenizer_config.get("chat_template"))
+
+
+def _read_option(option: str) -> str:
+    path = Path(option)
+    if path.is_file():
+        return _read_file(path, "--chat-template")
+    if "{{" in option or "{%" in option:
+        return option
+    raise ConfigError(f"--chat-template {option!r}: no such file (nor an inline template)")
+
+
+def _read_file(path: Path, what: str = "chat template") -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {str(path)!r}: cannot read it: {exc}") from exc
+
+
+def _from_tokenizer_config(source: Any) -> str | None:
     if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
+        named = [t for t in source if isinstance(t, dict) and isinstance(t.get("template"), str)]
+        default = [t for t in named if t.get("name") == "default"]
+        source = (default or named or [{}])[0].get("template")
     return source if isinstance(source, str) and source else None
 
 

@@ -104,7 +104,8 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument(
         "--chat-template",
         default=None,
-        help="Jinja chat template file (default: the tokenizer_config.json one)",
+        help="a Jinja chat template: a file, or the template itself (default: the model's "
+        "chat_template.jinja, else tokenizer_config.json's chat_template)",
     )
     s.add_argument(
         "--shutdown-timeout",
