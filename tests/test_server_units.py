@@ -78,3 +78,28 @@ def test_limits_must_be_positive():
         ServerConfig(served_model_names=["m"], max_n=0)
     with pytest.raises(ConfigError, match="--body-timeout"):
         ServerConfig(served_model_names=["m"], body_timeout=-1)
+
+
+def test_every_limit_is_a_documented_flag():
+    import argparse
+    import dataclasses
+
+    from asyncllm.server.cli import add_limit_args
+    from asyncllm.server.config import LIMIT_HELP
+
+    base = {
+        "served_model_names",
+        "api_key",
+        "max_concurrent_requests",
+        "chat_template",
+        "shutdown_timeout",
+        "stats_interval",
+    }
+    names = {f.name for f in dataclasses.fields(ServerConfig)} - base
+    assert names == set(LIMIT_HELP)
+    p = argparse.ArgumentParser()
+    add_limit_args(p)
+    ns = p.parse_args(["--max-n", "4", "--stream-idle-timeout", "1.5"])
+    config = ServerConfig(served_model_names=["m"], **{n: getattr(ns, n) for n in LIMIT_HELP})
+    assert config.max_n == 4 and config.stream_idle_timeout == 1.5
+    assert config.max_request_body_bytes == 16 << 20  # the defaults come through
