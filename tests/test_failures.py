@@ -195,6 +195,47 @@ def test_an_unprocessable_output_batch_fails_its_request_and_the_engine_serves_o
     asyncio.run(main())
 
 
+class PanickingDetokenizer:
+    """The real detokenizer, whose `step` panics (as pyo3 reports a Rust panic)
+    once `armed` is set."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.armed = False
+
+    def step(self, *args):
+        if self.armed:
+            raise Panic("detokenizer panic")
+        return self.real.step(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_panic_while_processing_outputs_kills_the_engine_loudly(model_dir):
+    """A Rust panic in the front end's batch processing leaves state that cannot be
+    trusted: every request fails with EngineDeadError (not only the batch's)."""
+
+    async def main():
+        engine = engine_for(model_dir, null_step_delay_ms=SLOW)
+        detok = PanickingDetokenizer(engine.output_processor.detokenizer)
+        engine.output_processor.detokenizer = detok
+        try:
+            started = asyncio.Event()
+            waiting = asyncio.create_task(stream_until_error(engine, [1, 5], "w", started))
+            await asyncio.wait_for(started.wait(), 30)
+            detok.armed = True
+            error = await asyncio.wait_for(waiting, 10)
+            assert isinstance(error, EngineDeadError) and "panicked" in str(error)
+            assert engine.errored
+            with pytest.raises(EngineDeadError, match="panicked"):
+                await engine.check_health()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_lost_output_handler_fails_health_and_waiting_requests(model_dir):
     async def main():
         engine = engine_for(model_dir, null_step_delay_ms=SLOW)
