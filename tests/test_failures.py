@@ -195,6 +195,47 @@ def test_an_unprocessable_output_batch_fails_its_request_and_the_engine_serves_o
     asyncio.run(main())
 
 
+class PanickingDetokenizer:
+    """The real detokenizer, whose `step` panics (as pyo3 reports a Rust panic)
+    once `armed` is set."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.armed = False
+
+    def step(self, *args):
+        if self.armed:
+            raise Panic("detokenizer panic")
+        return self.real.step(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_panic_while_processing_outputs_kills_the_engine_loudly(model_dir):
+    """A Rust panic in the front end's batch processing leaves state that cannot be
+    trusted: every request fails with EngineDeadError (not only the batch's)."""
+
+    async def main():
+        engine = engine_for(model_dir, null_step_delay_ms=SLOW)
+        detok = PanickingDetokenizer(engine.output_processor.detokenizer)
+        engine.output_processor.detokenizer = detok
+        try:
+            started = asyncio.Event()
+            waiting = asyncio.create_task(stream_until_error(engine, [1, 5], "w", started))
+            await asyncio.wait_for(started.wait(), 30)
+            detok.armed = True
+            error = await asyncio.wait_for(waiting, 10)
+            assert isinstance(error, EngineDeadError) and "panicked" in str(error)
+            assert engine.errored
+            with pytest.raises(EngineDeadError, match="panicked"):
+                await engine.check_health()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_lost_output_handler_fails_health_and_waiting_requests(model_dir):
     async def main():
         engine = engine_for(model_dir, null_step_delay_ms=SLOW)
@@ -226,12 +267,15 @@ def test_receive_queue_is_bounded_and_a_blocked_loop_stalls_the_core(model_dir):
             params = SamplingParams(max_tokens=1000, ignore_eos=True)
             tasks = [
                 asyncio.create_task(collect_tokens(engine, [1, 5 + i], f"r{i}", params))
-                for i in range(8)
+                for i in range(12)
             ]
             await asyncio.sleep(0.2)
-            time.sleep(3.0)  # block the event loop: the core runs far ahead, then must wait
+            # Block the event loop: the core runs ahead by what the queue, the
+            # sockets' high-water marks and the kernel's buffers hold (a few
+            # thousand steps, fewer than the 12,000 these requests need), then waits.
+            time.sleep(5.0)
             assert engine._batches.qsize() <= engine._batches.maxsize
-            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == [1000] * 8
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == [1000] * 12
             timings = await engine.call_utility("get_step_timings")
             assert timings["backpressure"], "the core never waited for the front end"
         finally:
@@ -274,6 +318,9 @@ def test_timed_out_utility_calls_are_forgotten(model_dir):
         engine = engine_for(model_dir)
         pid = engine.client.process.pid
         try:
+            with pytest.raises(RuntimeError, match="unknown utility method"):
+                await engine.call_utility("no_such_method")  # fails that call only
+            await engine.check_health()
             os.kill(pid, signal.SIGSTOP)  # a hung core
             for _ in range(5):
                 with pytest.raises(TimeoutError):

@@ -7,10 +7,12 @@ A stop-string match finishes the request for the consumer at once and aborts it
 in the core. If the core dies, every waiting `generate()` raises
 `EngineDeadError` and new requests fail fast with it.
 
-Failures: a batch the output processor cannot process fails the requests it
-names (with `OutputProcessingError`) and the engine keeps serving the others
-(that processing only touches those requests' state); the output handler task
-itself ending is fatal, like the core's death. Batches wait for the handler in a
+Failures: a batch the output processor cannot process (an Exception) fails the
+requests it names (with `OutputProcessingError`) and the engine keeps serving
+the others, for that processing only touches those requests' state. A Rust panic
+there (pyo3's PanicException, a BaseException) is fatal instead: the
+detokenizer's state can no longer be trusted. The output handler task itself
+ending is fatal too, like the core's death. Batches wait for the handler in a
 bounded queue: when the event loop falls behind, the receiver thread blocks, and
 back-pressure reaches the core's busy loop through the sockets.
 """
@@ -303,10 +305,14 @@ class AsyncLLM:
         """One step's outputs to their collectors (the front end's hot path)."""
         try:
             outputs, stopped = self.output_processor.process_outputs(batch)
-        except BaseException as exc:  # BaseException: a Rust panic is not an Exception
+        except Exception as exc:
+            self._fail_batch(batch, exc)
+            return
+        except BaseException as exc:  # a Rust panic (not an Exception): fatal
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            self._fail_batch(batch, exc)
+            logger.critical("output processing panicked", exc_info=exc)
+            self._fail_all(EngineDeadError(f"the front end's output processing panicked: {exc!r}"))
             return
         collectors = self._collectors
         for out in outputs:
@@ -333,9 +339,7 @@ class AsyncLLM:
             core_ids = [c.core_id for c in parent.children if c.finish_reason is None]
             try:
                 self.output_processor.abort(core_ids)
-            except BaseException as again:  # noqa: BLE001 - forget them anyway
-                if isinstance(again, KeyboardInterrupt | SystemExit):
-                    raise
+            except Exception as again:  # forget them anyway
                 logger.error("dropping request %s after a failed abort: %s", request_id, again)
                 for core_id in core_ids:
                     children.pop(core_id, None)

@@ -39,6 +39,7 @@ class _Server(uvicorn.Server):
         self._engine = engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self.signalled = False
+        self.engine_died = False
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         self._loop = asyncio.get_running_loop()
@@ -54,6 +55,7 @@ class _Server(uvicorn.Server):
         listener and lets every in-flight response (already failed) finish."""
         error = await self._engine.wait_until_dead()
         logger.error("the engine died (%s); stopping the server", error)
+        self.engine_died = True
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -106,7 +108,8 @@ def run_server(
         server.run()
         for task in tasks:
             task.cancel()
-        dead = engine.errored
+        # Not `engine.errored` now: the loop's end has cancelled the output handler.
+        dead = server.engine_died
     finally:
         engine.shutdown()
     if dead:
