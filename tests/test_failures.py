@@ -23,8 +23,8 @@ import zmq
 
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from asyncllm.engine.core import EngineCore
-from asyncllm.messages import SchedulerStats, StepOutputs
 from asyncllm.frontend.output_processor import OutputProcessingError
+from asyncllm.messages import SchedulerStats, StepOutputs
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)

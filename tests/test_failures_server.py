@@ -156,6 +156,7 @@ def test_a_killed_core_gets_503s_then_the_server_exits_1(model_dir, tmp_path):
             t.join(30)
         status, body = answers["whole"]
         assert status == 503 and body["error"]["code"] == "engine_dead"
+        assert body["error"]["message"] == "the engine is not running"  # no core internals
         assert "engine is not running" in str(answers["stream"])
         assert srv.proc.wait(30) == 1, srv.log.read_text()[-3000:]
         assert "the engine died" in srv.log.read_text()
