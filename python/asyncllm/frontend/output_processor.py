@@ -60,6 +60,10 @@ class ChildState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Each token's text for logprob entries, decoded once per token id: rows of
+        # top-N repeat the same few thousand ids, and a decode per entry (n=50 x
+        # logprobs=20 x 400 tokens is 400k decodes) stalled the event loop for seconds.
+        self._token_text: dict[int, str] = {}
         self.detokenizer = Detokenizer(tokenizer.path)
         self.children: dict[int, ChildState] = {}
         self._num_with_logprobs = 0  # live children asking for (prompt) logprobs
@@ -230,14 +234,19 @@ class OutputProcessor:
         the sampled (or actual) token first, with its rank, then the top-N."""
         width = lp.width
         ids, values, ranks = lp.token_ids, lp.logprobs, lp.ranks
+        text = self._token_text
         decode = self.tokenizer.decode
         rows = []
         for k in range(min(num, lp.num_positions)):
             base = k * width
-            entry = {ids[base]: Logprob(values[base], ranks[k], decode([ids[base]], False))}
-            for r in range(1, width):
+            entry: dict[int, Logprob] = {}
+            for r in range(width):
                 tid = ids[base + r]
-                if tid not in entry:
-                    entry[tid] = Logprob(values[base + r], r, decode([tid], False))
+                if tid in entry:
+                    continue
+                piece = text.get(tid)
+                if piece is None:
+                    piece = text[tid] = decode([tid], False)
+                entry[tid] = Logprob(values[base + r], ranks[k] if r == 0 else r, piece)
             rows.append(entry)
         return rows
