@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Prompt tokens whose KV came from the prefix cache instead of being computed;
+    # None until the engine reports it (with the request's first output token).
+    num_cached_tokens: int | None = None

@@ -139,12 +139,36 @@ class ServingBase:
             await self.engine.abort(request_id)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` (prompt tokens served from the prefix
+    cache) goes in `prompt_tokens_details` when the engine reported it."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+async def note_cached_tokens(
+    outputs: AsyncIterator[RequestOutput], cell: list[int | None]
+) -> AsyncIterator[RequestOutput]:
+    """Passes one request's `outputs` through, keeping in `cell[0]` its prompt
+    tokens found in the prefix cache once they are reported."""
+    async for out in outputs:
+        if out.num_cached_tokens is not None:
+            cell[0] = out.num_cached_tokens
+        yield out
+
+
+def sum_cached_tokens(cells: list[list[int | None]]) -> int | None:
+    """The prompts' cached tokens together; None when none was reported."""
+    known = [c[0] for c in cells if c[0] is not None]
+    return sum(known) if known else None
 
 
 def top_entries(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:

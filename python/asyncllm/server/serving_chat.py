@@ -19,6 +19,7 @@ from asyncllm.server.protocol import APIError, ChatCompletionRequest, ChatMessag
 from asyncllm.server.serving_base import (
     ServerConfig,
     ServingBase,
+    note_cached_tokens,
     random_id,
     token_str,
     top_entries,
@@ -98,8 +99,10 @@ class ChatServing(ServingBase):
         num_top = req.top_logprobs or 0
         num_tokens = 0
         timer = self.metrics.start(len(ids))
+        cached: list[int | None] = [None]
         try:
-            async for out in self.generate(ids, text, params, request_id, timer):
+            outputs = self.generate(ids, text, params, request_id, timer)
+            async for out in note_cached_tokens(outputs, cached):
                 for c in out.outputs:
                     num_tokens += len(c.token_ids)
                     if done[c.index]:
@@ -115,7 +118,7 @@ class ChatServing(ServingBase):
             yield error_event(exc.message, exc.status)
         else:
             if req.include_usage:
-                yield renderer.usage_chunk(usage(len(ids), num_tokens))
+                yield renderer.usage_chunk(usage(len(ids), num_tokens, cached[0]))
         yield DONE
 
     async def _complete(
@@ -128,8 +131,10 @@ class ChatServing(ServingBase):
         created: int,
     ) -> bytes:
         timer = self.metrics.start(len(ids))
+        cached: list[int | None] = [None]
         outputs, _ = await self.collect(
-            self.generate(ids, text, params, request_id, timer), params.n
+            note_cached_tokens(self.generate(ids, text, params, request_id, timer), cached),
+            params.n,
         )
         choices = []
         for c in outputs:
@@ -156,7 +161,7 @@ class ChatServing(ServingBase):
             "created": created,
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs)),
+            "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs), cached[0]),
             "system_fingerprint": None,
         }
         return json.dumps(body, separators=(",", ":")).encode()

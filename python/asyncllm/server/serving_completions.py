@@ -17,7 +17,9 @@ from asyncllm.server.protocol import APIError, CompletionRequest, bad_request
 from asyncllm.server.serving_base import (
     ServingBase,
     merge_streams,
+    note_cached_tokens,
     random_id,
+    sum_cached_tokens,
     token_str,
     top_entries,
     usage,
@@ -94,7 +96,11 @@ class CompletionServing(ServingBase):
     ) -> AsyncIterator[bytes]:
         renderer = ChunkRenderer(base_id, created, self.model_name, False, req.include_usage)
         counts = [0, 0]  # prompt tokens, completion tokens
-        streams = [self._stream_prompt(req, p, renderer, counts) for p in prompts]
+        cached: list[list[int | None]] = [[None] for _ in prompts]
+        streams = [
+            self._stream_prompt(req, p, renderer, counts, cell)
+            for p, cell in zip(prompts, cached, strict=True)
+        ]
         try:
             async for chunk in merge_streams(streams):
                 yield chunk
@@ -102,11 +108,16 @@ class CompletionServing(ServingBase):
             yield error_event(exc.message, exc.status)
         else:
             if req.include_usage:
-                yield renderer.usage_chunk(usage(counts[0], counts[1]))
+                yield renderer.usage_chunk(usage(counts[0], counts[1], sum_cached_tokens(cached)))
         yield DONE
 
     async def _stream_prompt(
-        self, req: CompletionRequest, p: _Prompt, renderer: ChunkRenderer, counts: list[int]
+        self,
+        req: CompletionRequest,
+        p: _Prompt,
+        renderer: ChunkRenderer,
+        counts: list[int],
+        cached: list[int | None],
     ) -> AsyncIterator[bytes]:
         assert p.params is not None
         n = p.params.n
@@ -118,7 +129,8 @@ class CompletionServing(ServingBase):
         offsets = [0] * n
         timer = self.metrics.start(len(p.ids))
         counts[0] += len(p.ids)
-        async for out in self.generate(p.ids, p.text, p.params, p.request_id, timer):
+        outputs = self.generate(p.ids, p.text, p.params, p.request_id, timer)
+        async for out in note_cached_tokens(outputs, cached):
             for c in out.outputs:
                 i = c.index
                 counts[1] += len(c.token_ids)
@@ -149,12 +161,16 @@ class CompletionServing(ServingBase):
     async def _complete(
         self, req: CompletionRequest, prompts: list[_Prompt], base_id: str, created: int
     ) -> bytes:
+        cached: list[list[int | None]] = [[None] for _ in prompts]
         if len(prompts) == 1:
-            results = [await self._complete_prompt(req, prompts[0])]
+            results = [await self._complete_prompt(req, prompts[0], cached[0])]
         else:
             try:
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._complete_prompt(req, p)) for p in prompts]
+                    tasks = [
+                        group.create_task(self._complete_prompt(req, p, cell))
+                        for p, cell in zip(prompts, cached, strict=True)
+                    ]
             except ExceptionGroup as group_error:  # the first failure answers the request
                 raise group_error.exceptions[0] from None
             results = [task.result() for task in tasks]
@@ -169,19 +185,22 @@ class CompletionServing(ServingBase):
             "created": created,
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens),
+            "usage": usage(
+                sum(len(p.ids) for p in prompts), completion_tokens, sum_cached_tokens(cached)
+            ),
             "system_fingerprint": None,
         }
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def _complete_prompt(
-        self, req: CompletionRequest, p: _Prompt
+        self, req: CompletionRequest, p: _Prompt, cached: list[int | None]
     ) -> tuple[list[dict[str, Any]], int]:
         assert p.params is not None
         n = p.params.n
         timer = self.metrics.start(len(p.ids))
         outputs, prompt_logprobs = await self.collect(
-            self.generate(p.ids, p.text, p.params, p.request_id, timer), n
+            note_cached_tokens(self.generate(p.ids, p.text, p.params, p.request_id, timer), cached),
+            n,
         )
         choices = []
         num_top = req.logprobs or 0
