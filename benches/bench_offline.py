@@ -112,7 +112,7 @@ def paired_decode_vs_floor(model_dir: Path, context: int, repeats: int) -> dict:
         t2 = time.perf_counter()
         eng_t.append(t1 - t0)
         floor_t.append(t2 - t1)
-    assert all(len(r.output_token_ids) > 0 for r in core.scheduler.running)
+    assert all(r.num_output_tokens > 0 for r in core.scheduler.running)
     return {
         "engine_step_ms": 1e3 * median(eng_t),
         "floor_step_ms": 1e3 * median(floor_t),

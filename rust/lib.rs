@@ -1,13 +1,15 @@
 //! asyncllm's native core.
 //!
-//! `protocol` (the engine wire codec) and `detok` (batched incremental
-//! detokenization and stop strings) are pure Rust and never import pyo3, so
+//! `protocol` (the engine wire codec), `detok` (batched incremental
+//! detokenization and stop strings) and `prefix_hash` (prefix-cache block
+//! keys) are pure Rust and never import pyo3, so
 //! `cargo test` and `cargo bench` need no Python. `py` is the only place that
 //! touches the interpreter: extract owned inputs, release the GIL, wrap results.
 
 pub mod detok;
 pub mod error;
 pub mod kernels;
+pub mod prefix_hash;
 pub mod protocol;
 mod py;
 

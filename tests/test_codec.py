@@ -71,6 +71,7 @@ REQUEST_FIELDS = [
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "cache_salt",
 ]
 
 
@@ -141,6 +142,7 @@ def random_request(rng: random.Random) -> AddRequest:
         repetition_penalty=any_float(rng),
         frequency_penalty=rng.uniform(-2, 2),
         presence_penalty=rng.uniform(-2, 2),
+        cache_salt=maybe(lambda: rng.choice(["", "tenant-a", "ünïcode 💥", "x" * 300])),
     )
 
 
@@ -187,8 +189,17 @@ def test_add_request_defaults_and_f32_rounding() -> None:
         "repetition_penalty": 1.0,
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
+        "cache_salt": None,
     }
     assert AddRequest(1, [], top_p=0.1).top_p == f32(0.1)
+
+
+def test_cache_salt_round_trips_with_and_without_a_salt() -> None:
+    for salt in (None, "tenant-a", "ünïcode 💥"):
+        _, [back] = decode_message(encode_add_request(AddRequest(1, [5, 6], cache_salt=salt)))
+        assert back.cache_salt == salt
+    # A request without a salt and one with a salt are different requests.
+    assert AddRequest(1, [5], cache_salt="a") != AddRequest(1, [5])
 
 
 def random_logprobs(rng: random.Random) -> tuple[list[int], list[float], list[int]]:
@@ -215,6 +226,7 @@ def test_output_batches_round_trip_exactly() -> None:
             "errors": lambda: rng.choice([None, "", "boom 💥 ünïcode"]),
             "logprobs": lambda: None if rng.random() < 0.5 else random_logprobs(rng),
             "prompt_logprobs": lambda: None if rng.random() < 0.7 else random_logprobs(rng),
+            "num_cached_tokens": lambda: None if rng.random() < 0.8 else edgy_int(rng, U32_MAX),
         }
         for name, make in optional.items():
             if rng.random() < 0.7:
@@ -247,6 +259,9 @@ def test_output_batches_round_trip_exactly() -> None:
         ]
         assert batch.stop_reasons == cols.get("stop_reasons", none)
         assert batch.errors == cols.get("errors", none)
+        assert batch.num_cached_tokens == {
+            i: v for i, v in enumerate(cols.get("num_cached_tokens", none)) if v is not None
+        }
         for name in ("logprobs", "prompt_logprobs"):
             for i, want in enumerate(cols.get(name, none)):
                 got = getattr(batch, name)(i)
@@ -269,6 +284,7 @@ def test_output_batches_round_trip_exactly() -> None:
             errors=batch.errors,
             logprobs=[batch.logprobs(i) for i in range(n)],
             prompt_logprobs=[batch.prompt_logprobs(i) for i in range(n)],
+            num_cached_tokens=[batch.num_cached_tokens.get(i) for i in range(n)],
         )
         assert again == frame
 
@@ -426,6 +442,9 @@ def test_fixtures_decode_to_their_values() -> None:
     assert batch.finish_reasons == [o.get("finish_reason") for o in wire.OUTPUTS]
     assert batch.stop_reasons == [o.get("stop_reason") for o in wire.OUTPUTS]
     assert batch.errors == [o.get("error") for o in wire.OUTPUTS]
+    assert batch.num_cached_tokens == {
+        i: o["num_cached_tokens"] for i, o in enumerate(wire.OUTPUTS) if "num_cached_tokens" in o
+    }
     for i, o in enumerate(wire.OUTPUTS):
         for name in ("logprobs", "prompt_logprobs"):
             got = getattr(batch, name)(i)
@@ -473,6 +492,7 @@ def test_encoders_write_the_fixture_bytes() -> None:
         errors=[o.get("error") for o in outs],
         logprobs=[_lp(o.get("logprobs")) for o in outs],
         prompt_logprobs=[_lp(o.get("prompt_logprobs")) for o in outs],
+        num_cached_tokens=[o.get("num_cached_tokens") for o in outs],
     ) == fixture("output_batch")
 
 
@@ -520,7 +540,7 @@ def add_request_frame(**overrides: Any) -> bytes:
         ),
         (
             wire.frame(wire.MSG_ADD_REQUESTS, [wire.add_request_body(wire.REQUEST_A)[:-1]]),
-            "malformed frame: AddRequests[0]: expected an array of 18 fields, found 17",
+            "malformed frame: AddRequests[0]: expected an array of 19 fields, found 18",
         ),
         (
             add_request_frame(prompt_token_ids=b"\x01\x00\x00\x00\x02"),
@@ -556,7 +576,7 @@ def add_request_frame(**overrides: Any) -> bytes:
             wire.frame(
                 wire.MSG_OUTPUT_BATCH,
                 [
-                    [[1, wire.Words([]), 9, None, None, None, None]],
+                    [[1, wire.Words([]), 9, None, None, None, None, None]],
                     wire.stats_body(wire.STATS),
                     0.0,
                 ],
@@ -576,6 +596,7 @@ def add_request_frame(**overrides: Any) -> bytes:
                             None,
                             [2, 3, wire.Words([0] * 6), wire.F32Words([0.0] * 6), wire.Words([0])],
                             None,
+                            None,
                         ]
                     ],  # noqa: E501
                     wire.stats_body(wire.STATS),
@@ -583,6 +604,21 @@ def add_request_frame(**overrides: Any) -> bytes:
                 ],
             ),
             "malformed frame: OutputBatch.outputs[0].logprobs: 2 positions need 2 ranks, got 1",
+        ),
+        (
+            wire.frame(
+                wire.MSG_OUTPUT_BATCH,
+                [
+                    [[1, wire.Words([]), None, None, None, None, None, -1]],
+                    wire.stats_body(wire.STATS),
+                    0.0,
+                ],
+            ),
+            "malformed frame: OutputBatch.outputs[0].num_cached_tokens: int -1 out of range",
+        ),
+        (
+            wire.frame(wire.MSG_ADD_REQUESTS, [[*wire.add_request_body(wire.REQUEST_A)[:-1], 7]]),
+            "malformed frame: AddRequests[0].cache_salt: expected str, found int",
         ),
         (
             wire.frame(wire.MSG_OUTPUT_BATCH, [[], [1, 0, 0.5, 0, 0, 0], 0.0]),

@@ -76,6 +76,7 @@ class AddRequest:
         repetition_penalty: float = 1.0,
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
+        cache_salt: str | None = None,
     ) -> Self: ...
     @property
     def wire_id(self) -> int: ...
@@ -115,6 +116,8 @@ class AddRequest:
     def frequency_penalty(self) -> float: ...
     @property
     def presence_penalty(self) -> float: ...
+    @property
+    def cache_salt(self) -> str | None: ...
 
 @final
 class SchedulerStats:
@@ -223,6 +226,10 @@ class OutputBatch:
     @property
     def finished_indices(self) -> list[int]:
         """Indices of the outputs whose request finished in this step."""
+    @property
+    def num_cached_tokens(self) -> dict[int, int]:
+        """Output index -> prompt tokens served from the prefix cache, for the
+        outputs that carry it (each request's first output); usually empty."""
     def logprobs(self, i: int) -> Logprobs | None: ...
     def prompt_logprobs(self, i: int) -> Logprobs | None: ...
     @property
@@ -266,6 +273,7 @@ def encode_output_batch(
     errors: Sequence[str | None] | None = None,
     logprobs: Sequence[_LogprobsInput] | None = None,
     prompt_logprobs: Sequence[_LogprobsInput] | None = None,
+    num_cached_tokens: Sequence[int | None] | None = None,
 ) -> bytes:
     """A `MSG_OUTPUT_BATCH` frame from per-request columns: output i is
     `wire_ids[i]`, `new_token_ids[i]`, and entry i of each optional column (a
@@ -275,7 +283,9 @@ def encode_output_batch(
     decode step, and the cheapest to extract. Finish reasons are "stop",
     "length", "abort" or "error". Logprobs entries are None, a `Logprobs`
     (fastest), or a
-    `(token_ids, logprobs, ranks)` tuple as for the `Logprobs` constructor."""
+    `(token_ids, logprobs, ranks)` tuple as for the `Logprobs` constructor.
+    `num_cached_tokens` gives a request's prompt tokens found in the prefix cache,
+    sent with its first output only."""
 
 def decode_message(
     frame: bytes | bytearray | memoryview, max_frame_size: int | None = None
@@ -296,6 +306,23 @@ def decode_message(
     truncated, of an unknown type or wire version, with a field of the wrong type
     or an array of the wrong length, or with bytes after its body.
     """
+
+# --- prefix-cache block keys (rust/py/prefix_hash.rs) ---
+# SHA-256 chained block by block (layout in rust/prefix_hash.rs): a key stands for
+# its whole prefix and the cache salt, so equal keys mean equal prefixes.
+
+BLOCK_HASH_LEN: Final = 32
+
+def block_hash_root(cache_salt: str | None = None) -> bytes:
+    """The parent key of a sequence's first block; different salts give
+    different roots, so their sequences never share a block key."""
+
+def hash_blocks(parent: bytes, token_ids: _Ints, block_size: int) -> list[bytes]:
+    """The key of every full block of `token_ids` (a trailing partial block is
+    left out), chained from `parent`: the key of the block before `token_ids[0]`,
+    or `block_hash_root(...)`. Runs of 1024 tokens or more are hashed with the GIL
+    released. Raises ValueError for a parent that is not 32 bytes, a block_size of
+    0 or a token id outside 0..2**32."""
 
 # --- detokenizer (rust/py/detok.rs) ---
 

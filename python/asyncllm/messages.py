@@ -44,6 +44,8 @@ class StepOutputs:
     errors: list[str | None] | None = None  # why a request failed on its own
     logprobs: list[Logprobs | None] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
+    # prompt tokens found in the prefix cache, on each request's first output only
+    num_cached_tokens: list[int | None] | None = None
 
     def encode(self) -> bytes:
         return encode_output_batch(
@@ -56,4 +58,5 @@ class StepOutputs:
             errors=self.errors,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )

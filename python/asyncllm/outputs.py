@@ -40,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
+    # Prompt tokens whose KV came from the prefix cache instead of being computed;
+    # None until the engine reports it (with the request's first output token).
+    num_cached_tokens: int | None = None

@@ -12,6 +12,7 @@ from asyncllm.errors import ConfigError
 
 _MAX_LOGPROBS = 20
 _UINT64_MAX = 2**64 - 1
+MAX_CACHE_SALT_CHARS = 256
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -51,6 +52,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Mixed into the prefix-cache key of the prompt's first block: requests share
+    # cached KV blocks only when their salts are equal (None is a salt of its own).
+    cache_salt: str | None = None
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -132,6 +136,17 @@ class SamplingParams:
         ):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "a bool")
+        _require(
+            self.cache_salt is None
+            or (
+                isinstance(self.cache_salt, str)
+                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+                and _encodable(self.cache_salt)
+            ),
+            "cache_salt",
+            _clip(self.cache_salt),
+            f"None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+        )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
@@ -170,6 +185,23 @@ def _is_int(value: object) -> bool:
 
 def _is_num(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _encodable(text: str) -> bool:
+    """Whether `text` is valid Unicode (no lone surrogates), as the wire needs."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _clip(value: object) -> object:
+    """`value` for an error message: long strings are cut, so a client's oversized
+    input is not echoed back whole."""
+    if isinstance(value, str) and len(value) > 40:
+        return value[:37] + "..."
+    return value
 
 
 def _normalise_stop(stop: str | list[str] | None) -> list[str]:

@@ -26,6 +26,7 @@ pub struct OutputBatchColumns {
     pub errors: Vec<Option<String>>,
     pub logprobs: Vec<Option<Logprobs>>,
     pub prompt_logprobs: Vec<Option<Logprobs>>,
+    pub num_cached_tokens: Vec<Option<u32>>,
     pub stats: SchedulerStats,
     pub timestamp: f64,
 }
@@ -46,30 +47,33 @@ impl OutputBatchColumns {
     }
 
     pub fn into_batch(self) -> OutputBatch {
-        let outputs = (0..self.len())
-            .map(|i| self.new_token_ids(i).to_vec())
-            .collect::<Vec<_>>();
-        let outputs = outputs
+        let mut outputs = Vec::with_capacity(self.len());
+        let mut start = 0;
+        let columns = self
+            .wire_ids
             .into_iter()
-            .zip(self.wire_ids)
+            .zip(self.token_ends)
             .zip(self.finish_reasons)
             .zip(self.stop_reasons)
             .zip(self.errors)
-            .zip(self.logprobs.into_iter().zip(self.prompt_logprobs))
-            .map(
-                |(((((new_token_ids, wire_id), finish_reason), stop_reason), error), (lp, plp))| {
-                    RequestOutput {
-                        wire_id,
-                        new_token_ids,
-                        finish_reason,
-                        stop_reason,
-                        error,
-                        logprobs: lp,
-                        prompt_logprobs: plp,
-                    }
-                },
-            )
-            .collect();
+            .zip(self.logprobs)
+            .zip(self.prompt_logprobs)
+            .zip(self.num_cached_tokens);
+        for (((((((wire_id, end), finish_reason), stop_reason), error), lp), plp), cached) in
+            columns
+        {
+            outputs.push(RequestOutput {
+                wire_id,
+                new_token_ids: self.token_ids[start..end].to_vec(),
+                finish_reason,
+                stop_reason,
+                error,
+                logprobs: lp,
+                prompt_logprobs: plp,
+                num_cached_tokens: cached,
+            });
+            start = end;
+        }
         OutputBatch {
             outputs,
             stats: self.stats,
@@ -94,6 +98,7 @@ impl From<OutputBatch> for OutputBatchColumns {
             c.errors.push(o.error);
             c.logprobs.push(o.logprobs);
             c.prompt_logprobs.push(o.prompt_logprobs);
+            c.num_cached_tokens.push(o.num_cached_tokens);
         }
         c
     }
@@ -135,6 +140,7 @@ pub(super) fn read_output_batch_columns(r: &mut Reader<'_>) -> WireResult<Output
         errors: Vec::with_capacity(n),
         logprobs: Vec::with_capacity(n),
         prompt_logprobs: Vec::with_capacity(n),
+        num_cached_tokens: Vec::with_capacity(n),
         ..OutputBatchColumns::default()
     };
     for i in 0..n {
@@ -162,5 +168,7 @@ fn read_output_into(r: &mut Reader<'_>, c: &mut OutputBatchColumns) -> WireResul
     c.logprobs.push(read_opt_logprobs(r, &LOGPROBS_PATHS)?);
     c.prompt_logprobs
         .push(read_opt_logprobs(r, &PROMPT_LOGPROBS_PATHS)?);
+    c.num_cached_tokens
+        .push(r.opt(|r| r.u32("num_cached_tokens"))?);
     Ok(())
 }

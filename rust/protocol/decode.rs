@@ -79,6 +79,7 @@ fn read_add_request(r: &mut Reader<'_>) -> WireResult<AddRequest> {
         repetition_penalty: r.f32("repetition_penalty")?,
         frequency_penalty: r.f32("frequency_penalty")?,
         presence_penalty: r.f32("presence_penalty")?,
+        cache_salt: r.opt(|r| r.str("cache_salt").map(str::to_string))?,
     })
 }
 

@@ -12,8 +12,8 @@ use super::value::{write_value, Value};
 use super::writer::Writer;
 
 // Field counts of the positional arrays; `decode.rs` checks the same numbers.
-pub(super) const ADD_REQUEST_FIELDS: usize = 18;
-pub(super) const REQUEST_OUTPUT_FIELDS: usize = 7;
+pub(super) const ADD_REQUEST_FIELDS: usize = 19;
+pub(super) const REQUEST_OUTPUT_FIELDS: usize = 8;
 pub(super) const LOGPROBS_FIELDS: usize = 5;
 pub(super) const STATS_FIELDS: usize = 6;
 pub(super) const OUTPUT_BATCH_FIELDS: usize = 3;
@@ -71,7 +71,10 @@ where
     let requests = requests.into_iter();
     let capacity: usize = requests
         .clone()
-        .map(|r| 96 + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len()))
+        .map(|r| {
+            let salt = r.cache_salt.as_ref().map_or(0, String::len);
+            96 + salt + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len())
+        })
         .sum();
     let mut w = frame_writer_in(buf, MessageType::AddRequests, 8 + capacity);
     w.array_len(requests.len(), "AddRequests")?;
@@ -101,6 +104,10 @@ fn write_add_request(w: &mut Writer, r: &AddRequest) -> WireResult<()> {
     w.f32(r.repetition_penalty);
     w.f32(r.frequency_penalty);
     w.f32(r.presence_penalty);
+    match &r.cache_salt {
+        Some(salt) => w.str(salt, "cache_salt")?,
+        None => w.nil(),
+    }
     Ok(())
 }
 
@@ -172,6 +179,7 @@ pub fn encode_output_batch(batch: &OutputBatch) -> WireResult<Vec<u8>> {
             error: o.error.as_deref(),
             logprobs: o.logprobs.as_ref().map(|lp| lp.as_ref()),
             prompt_logprobs: o.prompt_logprobs.as_ref().map(|lp| lp.as_ref()),
+            num_cached_tokens: o.num_cached_tokens,
         })?;
     }
     w.finish(&batch.stats, batch.timestamp)
@@ -187,6 +195,7 @@ pub struct RequestOutputRef<'a> {
     pub error: Option<&'a str>,
     pub logprobs: Option<LogprobsRef<'a>>,
     pub prompt_logprobs: Option<LogprobsRef<'a>>,
+    pub num_cached_tokens: Option<u32>,
 }
 
 /// Writes an output batch of a known number of outputs, one `push` per output,
@@ -244,6 +253,7 @@ impl OutputBatchWriter {
             .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?;
         write_opt_logprobs(w, o.prompt_logprobs, "prompt_logprobs")
             .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?;
+        w.opt_uint(o.num_cached_tokens.map(u64::from));
         Ok(())
     }
 

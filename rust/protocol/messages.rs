@@ -74,6 +74,9 @@ pub struct AddRequest {
     pub repetition_penalty: f32,
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
+    /// Enters the first prefix-cache block key, so requests with different
+    /// salts never share cached blocks (vLLM's `cache_salt`).
+    pub cache_salt: Option<String>,
 }
 
 impl AddRequest {
@@ -99,6 +102,7 @@ impl AddRequest {
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
+            cache_salt: None,
         }
     }
 }
@@ -223,6 +227,9 @@ pub struct RequestOutput {
     pub error: Option<String>,
     pub logprobs: Option<Logprobs>,
     pub prompt_logprobs: Option<Logprobs>,
+    /// Prompt tokens served from the prefix cache; carried on a request's first
+    /// output only (nil afterwards, so later steps pay one byte for it).
+    pub num_cached_tokens: Option<u32>,
 }
 
 /// The scheduler's counters after a step.

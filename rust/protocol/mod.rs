@@ -10,7 +10,7 @@
 //!                  max_tokens, min_tokens, temperature:f32, top_p:f32, top_k:int,
 //!                  min_p:f32, seed?, stop_token_ids:bin, ignore_eos:bool, logprobs?,
 //!                  prompt_logprobs?, repetition_penalty:f32, frequency_penalty:f32,
-//!                  presence_penalty:f32], ...]
+//!                  presence_penalty:f32, cache_salt?:str], ...]
 //! Abort          [[wire_id, ...]]
 //! UtilityCall    [call_id, method:str, args:value]
 //! UtilityResult  [call_id, ok:bool, value (ok) | error message:str (not ok)]
@@ -18,7 +18,7 @@
 //! EngineError    [message:str]
 //! Shutdown       []
 //! OutputBatch    [[[wire_id, new_token_ids:bin, finish_reason?:u8, stop_reason?,
-//!                   error?:str, logprobs?, prompt_logprobs?], ...],
+//!                   error?:str, logprobs?, prompt_logprobs?, num_cached_tokens?], ...],
 //!                 [num_running, num_waiting, kv_cache_usage:f32, prefix_cache_queries,
 //!                  prefix_cache_hits, num_preemptions],
 //!                 timestamp:f64]
@@ -57,4 +57,4 @@ pub use messages::{
 pub use value::{Value, MAX_VALUE_DEPTH};
 
 /// Version byte carried by every frame; bumped on any schema change.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;

@@ -5,7 +5,7 @@
 
 mod batch;
 mod classes;
-mod extract;
+pub(crate) mod extract;
 mod value;
 
 use std::sync::Arc;

@@ -5,6 +5,7 @@ mod codec;
 mod detok;
 mod errors;
 mod kernels;
+mod prefix_hash;
 
 use pyo3::prelude::*;
 
@@ -28,5 +29,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codec::register(m)?;
     detok::register(m)?;
     kernels::register(m)?;
+    prefix_hash::register(m)?;
     Ok(())
 }

@@ -31,9 +31,14 @@ class KVCacheManager:
         """The longest run of cached full blocks that starts the request's tokens,
         and the number of tokens they cover. Called once, before a request's first
         allocation. At least one token is always left to compute, since the model
-        must produce logits for the last one."""
+        must produce logits for the last one. A request that wants prompt logprobs
+        (even 0 of them: the prompt tokens' own) computes its whole prompt."""
         hashes = request.block_hashes
-        if not self.enable_caching or hashes is None or request.sampling_params.prompt_logprobs:
+        if (
+            not self.enable_caching
+            or hashes is None
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         get = self.pool.get_cached_block
@@ -47,14 +52,6 @@ class KVCacheManager:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_tokens
         return blocks, num_tokens
-
-    def can_allocate(
-        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
-    ) -> bool:
-        """Whether `allocate` would succeed for these arguments."""
-        return self._num_blocks_needed(request, num_new_tokens, computed) <= self._num_available(
-            computed
-        )
 
     def allocate(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None

@@ -5,12 +5,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+from asyncllm._core import block_hash_root, hash_blocks
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.token_checks import clamp_max_tokens
 
-# A block's identity in the prefix cache: the previous block's hash and this block's
-# tokens. Keeping the tokens in the key makes a cache hit exact, not probabilistic.
-BlockHash = tuple[int, tuple[int, ...]]
+# A block's identity in the prefix cache: a SHA-256 digest (32 bytes) chained over
+# every block before it and the request's cache salt (layout in rust/prefix_hash.rs).
+# Equal keys mean equal (salt, prefix) unless SHA-256 collides, so a hit is exact by
+# design, and a tenant cannot aim at another's blocks without knowing its salt.
+BlockHash = bytes
+
+# The parent of the first block of every request without a cache salt.
+_UNSALTED_ROOT = block_hash_root(None)
 
 
 class RequestStatus(enum.IntEnum):
@@ -41,8 +47,9 @@ class Request:
     `all_token_ids` is the prompt followed by the generated tokens;
     `num_computed_tokens` counts the leading tokens whose K/V sit in the cache.
     `block_hashes` holds the prefix-cache key of every full block of
-    `all_token_ids`; the prompt's are computed here, at construction, so the busy
-    loop only ever hashes the one block a decode step fills.
+    `all_token_ids`; the prompt's are computed here, at construction (in one native
+    call, off the busy loop and without the GIL for long prompts), so the busy loop
+    only ever hashes the one block a decode step fills.
     """
 
     __slots__ = (
@@ -112,10 +119,6 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
@@ -142,12 +145,16 @@ class Request:
         if hashes is None:
             return
         size = self.block_size
+        start = len(hashes) * size
         tokens = self.all_token_ids
-        parent = hash(hashes[-1]) if hashes else 0
-        for start in range(len(hashes) * size, len(tokens) - size + 1, size):
-            key: BlockHash = (parent, tuple(tokens[start : start + size]))
-            hashes.append(key)
-            parent = hash(key)
+        if len(tokens) - start < size:
+            return
+        if hashes:
+            parent = hashes[-1]
+        else:
+            salt = self.sampling_params.cache_salt
+            parent = _UNSALTED_ROOT if salt is None else block_hash_root(salt)
+        hashes.extend(hash_blocks(parent, tokens[start:], size))
 
     def __repr__(self) -> str:
         return (

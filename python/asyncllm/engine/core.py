@@ -16,6 +16,7 @@ from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
+from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.token_checks import check_token_ids
@@ -47,6 +48,9 @@ class EngineCore:
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        # Requests admitted but without an output yet: their prefix-cache hits go
+        # out with their first output (see `_first_output_hits`).
+        self._awaiting_first_output: dict[int, Request] = {}
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
@@ -99,6 +103,8 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[int]) -> StepOutputs:
         """Finish the requests now and free their blocks; returns their final outputs."""
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request in done:
+            self._awaiting_first_output.pop(request.request_id, None)
         return self.final_outputs([r.request_id for r in done], "abort")
 
     def final_outputs(
@@ -126,6 +132,8 @@ class EngineCore:
         scheduler = self.scheduler
         t0 = perf_counter()
         so = scheduler.schedule()
+        if so.new_reqs:
+            self._note_admitted(so.new_reqs)
         t1 = perf_counter()
         runner_out = self.runner.execute_model(so)
         t2 = perf_counter()
@@ -144,8 +152,37 @@ class EngineCore:
             out.logprobs = [runner_out.logprobs.get(rid) for rid in req_ids]
         if runner_out.prompt_logprobs:
             out.prompt_logprobs = [runner_out.prompt_logprobs.get(rid) for rid in req_ids]
+        if self._awaiting_first_output:
+            hits = self._first_output_hits()
+            if hits:
+                out.num_cached_tokens = [hits.get(rid) for rid in req_ids]
         self.step_timings.append((t0, t1 - t0, t2 - t1, perf_counter() - t2, len(req_ids)))
         return out
+
+    def _note_admitted(self, new_reqs: list[NewRequestData]) -> None:
+        """Remember requests admitted for the first time (not resumed after a
+        preemption), until their first output."""
+        requests = self.scheduler.requests
+        awaiting = self._awaiting_first_output
+        for new in new_reqs:
+            request = requests[new.req_id]
+            if request.num_preemptions == 0:
+                awaiting[new.req_id] = request
+
+    def _first_output_hits(self) -> dict[int, int]:
+        """Request id -> prompt tokens served from the prefix cache, for the
+        requests whose first output is in this step. Runs only while some admitted
+        request has no output yet, over those requests alone, so decode steps of
+        requests past their first output pay nothing for it."""
+        awaiting = self._awaiting_first_output
+        hits = {}
+        for rid, request in list(awaiting.items()):
+            if request.num_tokens > request.num_prompt_tokens:
+                hits[rid] = request.num_cached_prompt_tokens
+                del awaiting[rid]
+            elif request.is_finished:  # aborted or failed before its first token
+                del awaiting[rid]
+        return hits
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

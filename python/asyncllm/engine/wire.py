@@ -33,6 +33,7 @@ def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
         repetition_penalty=p.repetition_penalty,
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
+        cache_salt=p.cache_salt,
     )
 
 
@@ -53,6 +54,7 @@ def from_wire(add: AddRequest) -> EngineCoreRequest:
         repetition_penalty=add.repetition_penalty,
         frequency_penalty=add.frequency_penalty,
         presence_penalty=add.presence_penalty,
+        cache_salt=add.cache_salt,
     )
     return EngineCoreRequest(
         add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority

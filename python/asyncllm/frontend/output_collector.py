@@ -66,3 +66,5 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     into.finished = new.finished
     if new.prompt_logprobs is not None:
         into.prompt_logprobs = new.prompt_logprobs
+    if new.num_cached_tokens is not None:
+        into.num_cached_tokens = new.num_cached_tokens

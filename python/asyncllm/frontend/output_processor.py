@@ -35,6 +35,7 @@ class ParentState:
     children: list[ChildState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when the core rejected a child
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
     num_finished: int = 0  # children with a finish reason (counted by `_forget`)
 
     @property
@@ -100,6 +101,9 @@ class OutputProcessor:
         wire_ids = batch.wire_ids
         if not wire_ids:
             return [], []
+        cached = batch.num_cached_tokens  # each request's first output only: rare
+        if cached:
+            self._note_cached(wire_ids, cached)
         new_tokens = batch.all_new_token_ids()
         finished_idx = batch.finished_indices
         finished_ids = {wire_ids[i] for i in finished_idx} if finished_idx else set()
@@ -173,6 +177,14 @@ class OutputProcessor:
                 due[child.parent.request_id] = child.parent
         return [self._make_output(p) for p in due.values()]
 
+    def _note_cached(self, wire_ids: list[int], cached: dict[int, int]) -> None:
+        """Record the prefix-cache hits of requests on their first output. With
+        `n > 1` the first child's count stands for the request."""
+        for i, num in cached.items():
+            child = self.children.get(wire_ids[i])
+            if child is not None and (child.parent.num_cached_tokens is None or not child.index):
+                child.parent.num_cached_tokens = num
+
     def _forget(self, child: ChildState) -> None:
         """Called once per child, right after its finish reason was set."""
         del self.children[child.core_id]
@@ -217,6 +229,7 @@ class OutputProcessor:
             completions,
             parent.finished,
             parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
         )
 
     def _append_logprobs(self, child: ChildState, lp: Logprobs, num: int) -> None:

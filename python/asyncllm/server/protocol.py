@@ -89,6 +89,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cache
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -121,6 +122,7 @@ class _SamplingFields(BaseModel):
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "output_kind": RequestOutputKind.DELTA,
+            "cache_salt": self.cache_salt,
         }
         for name in (
             "temperature",

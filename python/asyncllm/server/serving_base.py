@@ -155,16 +155,20 @@ class ServingBase:
 
     async def collect(
         self, outputs: AsyncIterator[RequestOutput], n: int
-    ) -> tuple[list[CompletionOutput], Any]:
+    ) -> tuple[list[CompletionOutput], Any, int | None]:
         """Joins a DELTA stream into each choice's whole output (text, ids,
         logprobs, how it finished), for the non-streaming endpoints; also returns
-        the prompt logprobs, if any came."""
+        the prompt logprobs, if any came, and the prompt tokens the prefix cache
+        served (None until the engine reports them)."""
         texts: list[list[str]] = [[] for _ in range(n)]
         whole = [CompletionOutput(i, "", [], None, []) for i in range(n)]
         prompt_logprobs = None
+        num_cached = None
         async for out in outputs:
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs
+            if out.num_cached_tokens is not None:
+                num_cached = out.num_cached_tokens
             for c in out.outputs:
                 w = whole[c.index]
                 texts[c.index].append(c.text)
@@ -174,19 +178,32 @@ class ServingBase:
                 w.finish_reason, w.stop_reason = c.finish_reason, c.stop_reason
         for w, parts in zip(whole, texts, strict=True):
             w.text = "".join(parts)
-        return whole, prompt_logprobs
+        return whole, prompt_logprobs, num_cached
 
     async def abort_all(self) -> None:
         for request_id in list(self.in_flight):
             await self.engine.abort(request_id)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` (prompt tokens served from the prefix
+    cache) goes in `prompt_tokens_details` when the engine reported it."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def sum_cached_tokens(counts: list[int | None]) -> int | None:
+    """The prompts' cached tokens together; None when none was reported."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 async def gather_first_error(works: list[Coroutine[Any, Any, T]]) -> list[T]:

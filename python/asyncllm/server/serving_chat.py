@@ -129,8 +129,11 @@ class ChatServing(ServingBase):
         num_top = req.top_logprobs or 0
         num_tokens = 0
         timer = self.metrics.start(len(ids))
+        num_cached = None
         try:
             async for out in self.generate(ids, text, params, request_id, timer):
+                if out.num_cached_tokens is not None:
+                    num_cached = out.num_cached_tokens
                 for c in out.outputs:
                     num_tokens += len(c.token_ids)
                     if done[c.index]:
@@ -147,7 +150,7 @@ class ChatServing(ServingBase):
             yield error_event(exc.message, exc.status)
         else:
             if req.include_usage:
-                yield renderer.usage_chunk(usage(len(ids), num_tokens))
+                yield renderer.usage_chunk(usage(len(ids), num_tokens, num_cached))
         yield DONE
 
     async def _complete(
@@ -160,16 +163,17 @@ class ChatServing(ServingBase):
         created: int,
     ) -> bytes:
         timer = self.metrics.start(len(ids))
-        outputs, _ = await self.collect(
+        outputs, _, num_cached = await self.collect(
             self.generate(ids, text, params, request_id, timer), params.n
         )
-        return await off_loop(self._build, req, ids, outputs, request_id, created)
+        return await off_loop(self._build, req, ids, outputs, num_cached, request_id, created)
 
     def _build(
         self,
         req: ChatCompletionRequest,
         ids: list[int],
         outputs: list[CompletionOutput],
+        num_cached: int | None,
         request_id: str,
         created: int,
     ) -> bytes:
@@ -198,7 +202,7 @@ class ChatServing(ServingBase):
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs)),
+            "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs), num_cached),
             "system_fingerprint": None,
         }
         return json.dumps(head, separators=(",", ":"))[:-1].encode() + (

@@ -27,6 +27,7 @@ from asyncllm.server.serving_base import (
     merge_streams,
     off_loop,
     random_id,
+    sum_cached_tokens,
     usage,
 )
 from asyncllm.server.sse import DONE, ChunkRenderer, SSEResponse, error_event, run_until_disconnect
@@ -158,7 +159,10 @@ class CompletionServing(ServingBase):
     ) -> AsyncIterator[bytes]:
         renderer = ChunkRenderer(base_id, created, self.model_name, False, req.include_usage)
         counts = [0, 0]  # prompt tokens, completion tokens
-        streams = [self._stream_prompt(req, p, renderer, counts, prompt_only) for p in prompts]
+        cached: list[int | None] = [None] * len(prompts)
+        streams = [
+            self._stream_prompt(req, p, renderer, counts, cached, prompt_only) for p in prompts
+        ]
         try:
             async for chunk in merge_streams(streams):
                 yield chunk
@@ -166,7 +170,7 @@ class CompletionServing(ServingBase):
             yield error_event(exc.message, exc.status)
         else:
             if req.include_usage:
-                yield renderer.usage_chunk(usage(counts[0], counts[1]))
+                yield renderer.usage_chunk(usage(counts[0], counts[1], sum_cached_tokens(cached)))
         yield DONE
 
     async def _stream_prompt(
@@ -175,6 +179,7 @@ class CompletionServing(ServingBase):
         p: _Prompt,
         renderer: ChunkRenderer,
         counts: list[int],
+        cached: list[int | None],
         prompt_only: bool,
     ) -> AsyncIterator[bytes]:
         assert p.params is not None
@@ -189,6 +194,8 @@ class CompletionServing(ServingBase):
         timer = self.metrics.start(len(p.ids))
         counts[0] += len(p.ids)
         async for out in self.generate(p.ids, p.text, p.params, p.request_id, timer):
+            if out.num_cached_tokens is not None:
+                cached[p.index] = out.num_cached_tokens
             for c in out.outputs:
                 i = c.index
                 if prompt_only:
@@ -230,7 +237,7 @@ class CompletionServing(ServingBase):
         results = await gather_first_error([self._collect_prompt(p) for p in prompts])
         return await off_loop(self._build, req, prompts, results, base_id, created, prompt_only)
 
-    async def _collect_prompt(self, p: _Prompt) -> tuple[list[CompletionOutput], Any]:
+    async def _collect_prompt(self, p: _Prompt) -> tuple[list[CompletionOutput], Any, int | None]:
         assert p.params is not None
         timer = self.metrics.start(len(p.ids))
         return await self.collect(
@@ -241,7 +248,7 @@ class CompletionServing(ServingBase):
         self,
         req: CompletionRequest,
         prompts: list[_Prompt],
-        results: list[tuple[list[CompletionOutput], Any]],
+        results: list[tuple[list[CompletionOutput], Any, int | None]],
         base_id: str,
         created: int,
         prompt_only: bool,
@@ -250,7 +257,7 @@ class CompletionServing(ServingBase):
         serialised alone, so the GIL is handed back between choices."""
         choices: list[bytes] = []
         completion_tokens = 0
-        for p, (outputs, prompt_logprobs) in zip(prompts, results, strict=True):
+        for p, (outputs, prompt_logprobs, _) in zip(prompts, results, strict=True):
             assert p.params is not None
             lps = LegacyLogprobs(self.token_text, req.logprobs or 0, p.params.skip_special_tokens)
             echo_lp = None
@@ -278,7 +285,11 @@ class CompletionServing(ServingBase):
             "object": "text_completion",
             "created": created,
             "model": self.model_name,
-            "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens),
+            "usage": usage(
+                sum(len(p.ids) for p in prompts),
+                completion_tokens,
+                sum_cached_tokens([num_cached for _, _, num_cached in results]),
+            ),
             "system_fingerprint": None,
         }
         return json.dumps(head, separators=(",", ":"))[:-1].encode() + (

@@ -43,6 +43,7 @@ fn request_a() -> AddRequest {
         repetition_penalty: 1.0,
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
+        cache_salt: None,
     }
 }
 
@@ -66,6 +67,7 @@ fn request_b() -> AddRequest {
         repetition_penalty: 1.25,
         frequency_penalty: -0.5,
         presence_penalty: 2.0,
+        cache_salt: Some("tenant-β".into()),
     }
 }
 
@@ -175,6 +177,7 @@ fn output_batches() {
                 RequestOutput {
                     wire_id: 1,
                     new_token_ids: vec![450],
+                    num_cached_tokens: Some(32),
                     ..RequestOutput::default()
                 },
                 RequestOutput {
@@ -209,6 +212,7 @@ fn output_batches() {
                         logprobs: vec![-4.0],
                         ranks: vec![10],
                     }),
+                    num_cached_tokens: Some(0),
                     ..RequestOutput::default()
                 },
                 RequestOutput {

@@ -13,7 +13,7 @@ fn frame(message_type: MessageType, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
     w.into_bytes()
 }
 
-/// The 18 fields of a valid AddRequest with prompt [1, 2, 3].
+/// The 19 fields of a valid AddRequest with prompt [1, 2, 3].
 fn add_request_fields() -> Vec<Field> {
     vec![
         Box::new(|w| w.uint(9)),
@@ -34,6 +34,7 @@ fn add_request_fields() -> Vec<Field> {
         Box::new(|w| w.f32(1.0)),
         Box::new(|w| w.f32(0.0)),
         Box::new(|w| w.f32(0.0)),
+        Box::new(|w| w.nil()),
     ]
 }
 
@@ -127,10 +128,10 @@ fn truncated_token_array_names_the_field() {
         err(&bytes[..2 + 1 + 3 + 1 + 3 + 20]),
         "truncated frame: AddRequests[0].prompt_token_ids needs 4096 bytes, 20 left"
     );
-    // Fewer bytes than the request's 18 fields could take fails at its header.
+    // Fewer bytes than the request's 19 fields could take fails at its header.
     assert_eq!(
         err(&bytes[..2 + 1 + 3 + 10]),
-        "truncated frame: AddRequests[0] needs 18 bytes, 10 left"
+        "truncated frame: AddRequests[0] needs 19 bytes, 10 left"
     );
 }
 
@@ -156,6 +157,10 @@ fn wrong_field_types() {
         err(&with_field(10, Box::new(|w| w.f32(1.0)))),
         "malformed frame: AddRequests[0].seed: expected int, found float32 (0xca)"
     );
+    assert_eq!(
+        err(&with_field(18, Box::new(|w| w.uint(1)))),
+        "malformed frame: AddRequests[0].cache_salt: expected str, found int (0x01)"
+    );
 }
 
 #[test]
@@ -180,7 +185,7 @@ fn wrong_array_lengths() {
     fields.pop();
     assert_eq!(
         err(&add_requests_frame(&fields)),
-        "malformed frame: AddRequests[0]: expected an array of 18 fields, found 17"
+        "malformed frame: AddRequests[0]: expected an array of 19 fields, found 18"
     );
     assert_eq!(
         err(&frame(MessageType::Shutdown, |w| w
@@ -276,10 +281,11 @@ fn output_batch_frame(output_fields: impl Fn(&mut Writer)) -> Vec<u8> {
 #[test]
 fn output_batch_problems() {
     let unknown_reason = output_batch_frame(|w| {
-        w.array_len(7, "").unwrap();
+        w.array_len(8, "").unwrap();
         w.uint(1);
         w.u32s(&[5], "").unwrap();
         w.uint(9);
+        w.nil();
         w.nil();
         w.nil();
         w.nil();
@@ -290,7 +296,7 @@ fn output_batch_problems() {
         "malformed frame: OutputBatch.outputs[0].finish_reason: unknown finish reason 9"
     );
     let bad_shape = output_batch_frame(|w| {
-        w.array_len(7, "").unwrap();
+        w.array_len(8, "").unwrap();
         w.uint(1);
         w.u32s(&[5], "").unwrap();
         w.nil();
@@ -302,6 +308,7 @@ fn output_batch_problems() {
         w.u32s(&[0; 6], "").unwrap();
         w.f32s(&[0.0; 6], "").unwrap();
         w.u32s(&[0; 1], "").unwrap();
+        w.nil();
         w.nil();
     });
     assert_eq!(

@@ -115,6 +115,7 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         repetition_penalty: rng.f32(),
         frequency_penalty: rng.f32(),
         presence_penalty: rng.f32(),
+        cache_salt: rng.opt(|r| r.string(20)),
     }
 }
 
@@ -143,6 +144,7 @@ pub fn random_output_batch(rng: &mut Rng) -> OutputBatch {
                 error: rng.opt(|r| r.string(40)),
                 logprobs: rng.opt(random_logprobs),
                 prompt_logprobs: rng.opt(random_logprobs),
+                num_cached_tokens: rng.opt(|r| r.edgy_u64() as u32),
             })
             .collect(),
         stats: SchedulerStats {

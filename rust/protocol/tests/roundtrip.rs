@@ -37,10 +37,14 @@ fn edge_cases_round_trip() {
     max.prompt_logprobs = Some(u32::MAX);
     max.max_tokens = u32::MAX;
     max.arrival_time = f64::MAX;
+    max.cache_salt = Some("é".repeat(256));
+    let mut empty_salt = AddRequest::new(1, vec![1]);
+    empty_salt.cache_salt = Some(String::new());
     let messages = [
         Message::AddRequests(vec![]),
         Message::AddRequests(vec![AddRequest::new(0, vec![])]),
         Message::AddRequests(vec![max.clone(), AddRequest::new(7, vec![1; 70_000])]),
+        Message::AddRequests(vec![empty_salt]),
         Message::Abort { wire_ids: vec![] },
         Message::Abort {
             wire_ids: vec![0, u64::MAX, 1 << 32],
@@ -90,6 +94,7 @@ fn edge_cases_round_trip() {
                     logprobs: vec![-0.0, f32::NEG_INFINITY],
                     ranks: vec![1, u32::MAX],
                 }),
+                num_cached_tokens: Some(u32::MAX),
             }],
             stats: SchedulerStats {
                 num_running: u32::MAX,
@@ -181,6 +186,7 @@ fn output_batch_writer_matches_owned_encoder_and_checks_count() {
             error: o.error.as_deref(),
             logprobs: o.logprobs.as_ref().map(|lp| lp.as_ref()),
             prompt_logprobs: o.prompt_logprobs.as_ref().map(|lp| lp.as_ref()),
+            num_cached_tokens: o.num_cached_tokens,
         })
         .unwrap();
     }

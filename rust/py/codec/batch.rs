@@ -3,6 +3,7 @@
 //! the wire, so both keep the GIL-held part to extracting or wrapping: the byte
 //! work runs detached, and token ids become Python ints only when asked for.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -26,6 +27,7 @@ struct Columns {
     errors: Option<Vec<Option<String>>>,
     logprobs: Option<LogprobsColumn>,
     prompt_logprobs: Option<LogprobsColumn>,
+    num_cached_tokens: Option<Vec<Option<u32>>>,
 }
 
 /// A logprobs column: every request's arrays appended to shared flat buffers,
@@ -184,6 +186,7 @@ fn extract_columns(
     errors: Option<&Bound<'_, PyAny>>,
     logprobs: Option<&Bound<'_, PyAny>>,
     prompt_logprobs: Option<&Bound<'_, PyAny>>,
+    num_cached_tokens: Option<&Bound<'_, PyAny>>,
 ) -> Result<Columns, WireError> {
     let mut c = Columns {
         wire_ids: extract::u64s(wire_ids, &|| "OutputBatch.wire_ids".into())?,
@@ -219,6 +222,11 @@ fn extract_columns(
     })?;
     c.logprobs = logprobs_column(logprobs, n, "logprobs")?;
     c.prompt_logprobs = logprobs_column(prompt_logprobs, n, "prompt_logprobs")?;
+    c.num_cached_tokens = column(num_cached_tokens, n, "num_cached_tokens", |i, item| {
+        extract::opt(item, |r| {
+            extract::u32_(r, || format!("OutputBatch.num_cached_tokens[{i}]"))
+        })
+    })?;
     Ok(c)
 }
 
@@ -238,6 +246,7 @@ fn encode_columns(
             error: c.errors.as_ref().and_then(|v| v[i].as_deref()),
             logprobs: c.logprobs.as_ref().and_then(|col| col.get(i)),
             prompt_logprobs: c.prompt_logprobs.as_ref().and_then(|col| col.get(i)),
+            num_cached_tokens: c.num_cached_tokens.as_ref().and_then(|v| v[i]),
         })?;
     }
     w.finish(stats, timestamp)
@@ -247,7 +256,7 @@ fn encode_columns(
 #[pyfunction]
 #[pyo3(signature = (
     wire_ids, new_token_ids, stats, timestamp, *, finish_reasons=None, stop_reasons=None,
-    errors=None, logprobs=None, prompt_logprobs=None
+    errors=None, logprobs=None, prompt_logprobs=None, num_cached_tokens=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn encode_output_batch<'py>(
@@ -261,6 +270,7 @@ pub fn encode_output_batch<'py>(
     errors: Option<&Bound<'py, PyAny>>,
     logprobs: Option<&Bound<'py, PyAny>>,
     prompt_logprobs: Option<&Bound<'py, PyAny>>,
+    num_cached_tokens: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let columns = extract_columns(
         wire_ids,
@@ -270,6 +280,7 @@ pub fn encode_output_batch<'py>(
         errors,
         logprobs,
         prompt_logprobs,
+        num_cached_tokens,
     )
     .map_err(wire_err)?;
     let stats = stats.get().to_rust();
@@ -376,6 +387,14 @@ impl PyOutputBatch {
     #[getter]
     fn errors(&self) -> Vec<Option<String>> {
         self.batch.errors.clone()
+    }
+
+    /// Output index -> prompt tokens served from the prefix cache, for the
+    /// outputs that carry it (each request's first); empty in most steps.
+    #[getter]
+    fn num_cached_tokens(&self) -> HashMap<usize, u32> {
+        let counts = self.batch.num_cached_tokens.iter().enumerate();
+        counts.filter_map(|(i, n)| n.map(|n| (i, n))).collect()
     }
 
     /// Indices of the outputs whose request finished in this step.

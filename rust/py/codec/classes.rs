@@ -43,7 +43,7 @@ impl PyAddRequest {
         wire_id, prompt_token_ids, *, arrival_time=0.0, priority=0, max_tokens=16, min_tokens=0,
         temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop_token_ids=None,
         ignore_eos=false, logprobs=None, prompt_logprobs=None, repetition_penalty=1.0,
-        frequency_penalty=0.0, presence_penalty=0.0
+        frequency_penalty=0.0, presence_penalty=0.0, cache_salt=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -65,6 +65,7 @@ impl PyAddRequest {
         repetition_penalty: f32,
         frequency_penalty: f32,
         presence_penalty: f32,
+        cache_salt: Option<String>,
     ) -> PyResult<Self> {
         let prompt_token_ids =
             extract::u32s(prompt_token_ids, &|| "AddRequest.prompt_token_ids".into())
@@ -94,6 +95,7 @@ impl PyAddRequest {
             repetition_penalty,
             frequency_penalty,
             presence_penalty,
+            cache_salt,
         })))
     }
 
@@ -173,6 +175,10 @@ impl PyAddRequest {
     #[getter]
     fn presence_penalty(&self) -> f32 {
         self.0.presence_penalty
+    }
+    #[getter]
+    fn cache_salt(&self) -> Option<&str> {
+        self.0.cache_salt.as_deref()
     }
 
     /// Field-by-field equality, floats compared bit for bit (so NaN == NaN).
