@@ -23,7 +23,7 @@ import zmq
 
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from asyncllm.engine.core import EngineCore
-from asyncllm.frontend.output_processor import OutputProcessingError
+from asyncllm.errors import OutputProcessingError
 from asyncllm.messages import SchedulerStats, StepOutputs
 from tiny_models import make_tiny_model
 

@@ -9,6 +9,7 @@ from asyncllm.errors import (
     EngineStartupError,
     InvalidRequestError,
     ModelLoadError,
+    OutputProcessingError,
 )
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -48,6 +49,7 @@ __all__ = [
     "InvalidRequestError",
     "Logprob",
     "ModelLoadError",
+    "OutputProcessingError",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -32,3 +32,8 @@ class EngineDeadError(AsyncLLMError, RuntimeError):
 
 class EngineStartupError(AsyncLLMError, RuntimeError):
     """The engine core could not start; the message carries its root cause."""
+
+
+class OutputProcessingError(AsyncLLMError, RuntimeError):
+    """The front end could not turn this request's outputs into a RequestOutput
+    (a bug in output processing); that request failed, the engine serves on."""

@@ -31,15 +31,11 @@ from typing import Any
 from asyncllm import _core, envs
 from asyncllm.config import EngineArgs
 from asyncllm.engine.wire import to_wire
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.errors import EngineDeadError, InvalidRequestError, OutputProcessingError
 from asyncllm.frontend.core_client import MPClient
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_collector import RequestOutputCollector
-from asyncllm.frontend.output_processor import (
-    OutputProcessingError,
-    OutputProcessor,
-    ParentState,
-)
+from asyncllm.frontend.output_processor import OutputProcessor, ParentState
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import RequestOutput
