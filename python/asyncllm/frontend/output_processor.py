@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncllm._core import Detokenizer, Logprobs, OutputBatch
-from asyncllm.errors import OutputProcessingError
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
