@@ -149,7 +149,12 @@ def test_n_and_logprobs_shapes(client):
             len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
         )
         assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
-        assert all(len(t) == 3 for t in lp.top_logprobs[1:])
+        # the 3 most likely, plus the chosen token when it is not among them (as OpenAI)
+        for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+            assert 3 <= len(top) <= 4 and token in top
+        # text, tokens and offsets describe the same string
+        assert "".join(lp.tokens[1:]) == c.text[lp.text_offset[1] :]
+        assert lp.text_offset == sorted(lp.text_offset)
 
     chat = client.chat.completions.create(
         model=MODEL,

@@ -37,3 +37,11 @@ def log_level() -> str:
             "DEBUG, INFO, WARNING, ERROR, CRITICAL"
         )
     return value
+
+
+def api_key() -> str | None:
+    """ASYNCLLM_API_KEY (default unset): the key `asyncllm serve` requires when
+    --api-key is not given; read from the environment so that it does not show
+    in the process list."""
+    value = os.environ.get("ASYNCLLM_API_KEY", "")
+    return value or None

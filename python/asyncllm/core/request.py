@@ -6,6 +6,7 @@ import enum
 from collections.abc import Iterable
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.token_checks import clamp_max_tokens
 
 # A block's identity in the prefix cache: the previous block's hash and this block's
 # tokens. Keeping the tokens in the key makes a cache hit exact, not probabilistic.
@@ -83,9 +84,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        room = max_model_len - self.num_prompt_tokens
-        wanted = sampling_params.max_tokens
-        self.max_tokens = room if wanted is None else min(wanted, room)
+        self.max_tokens = clamp_max_tokens(
+            sampling_params.max_tokens, self.num_prompt_tokens, max_model_len
+        )
         # the length at which it stops for max_tokens: one compare per decode
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         stops = set(sampling_params.stop_token_ids or ())

@@ -19,6 +19,7 @@ from asyncllm.core.scheduler import Scheduler
 from asyncllm.engine.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.engine.null_runner import NullModelRunner
 from asyncllm.errors import InvalidRequestError
+from asyncllm.token_checks import check_token_ids
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner
@@ -73,19 +74,9 @@ class EngineCore:
                 f"request {req.request_id!r}: the prompt has {n} tokens; max_model_len={limit} "
                 f"leaves room for at most {limit - 1} prompt tokens and one generated token"
             )
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"request {req.request_id!r}: prompt token id {bad} is outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
         p = req.sampling_params
-        bad = next((t for t in p.stop_token_ids or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"request {req.request_id!r}: stop token id {bad} is outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+        check_token_ids(req.prompt_token_ids, self.vocab_size, "prompt")
+        check_token_ids(p.stop_token_ids or (), self.vocab_size, "stop_token_ids")
         return Request(
             req.request_id,
             req.prompt_token_ids,

@@ -9,18 +9,17 @@ from __future__ import annotations
 from asyncllm._core import AddRequest
 from asyncllm.engine.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.token_checks import clamp_max_tokens
 
 
 def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
     p = req.sampling_params
-    room = max_model_len - len(req.prompt_token_ids)
-    max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
     return AddRequest(
         req.request_id,
         req.prompt_token_ids,
         arrival_time=req.arrival_time,
         priority=req.priority,
-        max_tokens=max(max_tokens, 1),
+        max_tokens=clamp_max_tokens(p.max_tokens, len(req.prompt_token_ids), max_model_len),
         min_tokens=p.min_tokens,
         temperature=p.temperature,
         top_p=p.top_p,

@@ -9,6 +9,9 @@ from typing import Any
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.token_checks import check_token_ids
+
+_UINT64_MAX = 2**64 - 1  # the largest seed SamplingParams accepts
 
 # A prompt: text, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -46,13 +49,15 @@ class InputProcessor:
         return text, ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary."""
-        for t in params.stop_token_ids or ():
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"SamplingParams.stop_token_ids contains {t}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        """What SamplingParams cannot check alone: token ids against the vocabulary,
+        and the seeds of the `n` children `fan_out` derives (seed .. seed + n - 1),
+        so that a request fails here, before any child reaches the core."""
+        check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
+        if params.seed is not None and params.seed + params.n - 1 > _UINT64_MAX:
+            raise InvalidRequestError(
+                f"seed={params.seed} with n={params.n} is invalid: the n choices use seeds "
+                f"seed .. seed + n - 1, so seed must be <= 2**64 - n"
+            )
 
     def check_length(self, ids: list[int]) -> None:
         if not ids:
@@ -67,11 +72,7 @@ class InputProcessor:
         if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
             raise InvalidRequestError("prompt_token_ids must be a list of ints")
         out = list(ids)
-        for t in out:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {t!r} is not an int in [0, {self.vocab_size})"
-                )
+        check_token_ids(out, self.vocab_size, "prompt")
         return out
 
 

@@ -58,6 +58,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of several texts. The library releases the GIL here (not in
+        `encode`), so a long text tokenized on a worker thread leaves the event
+        loop running."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncllm.config import DEVICES, DTYPES, EXECUTORS, EngineArgs
 from asyncllm.default_model import DEFAULT_MODEL
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, ConfigError
 
 ENGINE_HELP: dict[str, str] = {
     "tokenizer": "directory with tokenizer.json (default: the model directory)",
@@ -83,7 +83,10 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (all but /health); default: "
+        "$ASYNCLLM_API_KEY, which keeps the key out of the process list",
     )
     s.add_argument(
         "--served-model-name",
@@ -95,7 +98,8 @@ def _serve_parser(sub: Any) -> None:
         "--max-concurrent-requests",
         type=int,
         default=None,
-        help="generation requests served at once; more get HTTP 429 (default: no limit)",
+        help="sequences (prompts x n) generated at once; requests beyond get HTTP 429 "
+        "(default: no limit)",
     )
     s.add_argument(
         "--chat-template",
@@ -116,22 +120,40 @@ def _serve_parser(sub: Any) -> None:
     )
     s.add_argument("--log-level", default="info", help="server log level (default: info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_limit_args(p)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig limit (`--max-n` for `max_n`), from LIMIT_HELP."""
+    from asyncllm.server.config import LIMIT_HELP, limit_fields
+
+    g = parser.add_argument_group("limits (every size a client controls is bounded)")
+    for name, kind, default in limit_fields():
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f"{LIMIT_HELP[name]} (default: {default})",
+        )
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from asyncllm import envs
+    from asyncllm.server.config import LIMIT_HELP, ServerConfig
     from asyncllm.server.launch import run_server
-    from asyncllm.server.serving_base import ServerConfig
 
-    if ns.max_concurrent_requests is not None and ns.max_concurrent_requests < 1:
-        raise SystemExit("--max-concurrent-requests must be >= 1")
-    config = ServerConfig(
-        served_model_names=ns.served_model_name or [ns.model],
-        api_key=ns.api_key,
-        max_concurrent_requests=ns.max_concurrent_requests,
-        chat_template=ns.chat_template,
-        shutdown_timeout=ns.shutdown_timeout,
-        stats_interval=ns.stats_interval,
-    )
+    try:
+        config = ServerConfig(
+            served_model_names=ns.served_model_name or [ns.model],
+            api_key=ns.api_key or envs.api_key(),
+            max_concurrent_requests=ns.max_concurrent_requests,
+            chat_template=ns.chat_template,
+            shutdown_timeout=ns.shutdown_timeout,
+            stats_interval=ns.stats_interval,
+            **{name: getattr(ns, name) for name in LIMIT_HELP},
+        )
+    except ConfigError as exc:
+        raise SystemExit(f"asyncllm serve: {exc}") from None
     return run_server(
         engine_args_from(ns),
         config,

@@ -14,6 +14,7 @@ import uvicorn
 from asyncllm.config import EngineArgs
 from asyncllm.frontend.async_llm import AsyncLLM
 from asyncllm.server.app import abort_in_flight, build_app
+from asyncllm.server.connection import uvicorn_options
 from asyncllm.server.serving_base import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def run_server(
             access_log=access_log,
             timeout_graceful_shutdown=int(config.shutdown_timeout + _CANCEL_MARGIN_S),
             timeout_keep_alive=5,
+            **uvicorn_options(config),
         )
         tasks: set[asyncio.Task[None]] = set()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -16,7 +16,9 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -250,5 +252,3 @@ def parse_body(model: type[M], body: bytes) -> M:
             raise bad_request(f"the request body is not valid JSON: {first['msg']}") from None
         raise bad_request(f"{param or 'body'}: {first['msg']}", param) from None
 
-
-FinishReason = Literal["stop", "length", "abort"]

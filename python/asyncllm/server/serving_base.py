@@ -5,50 +5,70 @@ request, and merging the streams of several prompts."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.async_llm import AsyncLLM
-from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.server.config import ServerConfig
+from asyncllm.server.limits import Admission, RequestLimits
 from asyncllm.server.metrics import RequestTimer, ServerMetrics
 from asyncllm.server.protocol import APIError, bad_request
+from asyncllm.server.token_text import TokenText
+from asyncllm.token_checks import check_token_ids, max_tokens_room
 
-
-@dataclass
-class ServerConfig:
-    """The server's own settings (the engine's are `EngineArgs`)."""
-
-    served_model_names: list[str]
-    api_key: str | None = None
-    max_concurrent_requests: int | None = None
-    chat_template: str | None = None
-    shutdown_timeout: float = 10.0
-    stats_interval: float = 10.0
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_OFF_LOOP = ThreadPoolExecutor(max_workers=4, thread_name_prefix="asyncllm-server")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(*args)` on the server's worker threads: tokenizing, rendering chat
+    templates and building large responses, so that one request cannot stall the
+    event loop (and with it every stream)."""
+    return await asyncio.get_running_loop().run_in_executor(_OFF_LOOP, fn, *args)
+
+
+_PARAM = re.compile(r"\w+")
+
+
 class ServingBase:
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        config: ServerConfig,
+        metrics: ServerMetrics,
+        admission: Admission | None = None,
+        token_text: TokenText | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config = config
         self.metrics = metrics
         self.model_name = config.served_model_names[0]
         self.max_model_len = engine.max_model_len
+        self.limits = RequestLimits(config, engine.max_model_len)
+        self.admission = admission or Admission(config.max_concurrent_requests)
+        self.token_text = token_text or TokenText(engine.tokenizer)
         self.in_flight: set[str] = set()  # engine request ids, aborted on shutdown
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.served_model_names:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves "
+                f"The model `{model[:200]}` does not exist; this server serves "
                 f"{', '.join(self.config.served_model_names)}",
                 param="model",
                 code="model_not_found",
@@ -58,11 +78,32 @@ class ServingBase:
         if self.engine.errored:
             raise APIError(503, "the engine is not running", code="engine_dead")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What the engine would reject only after the response has started (ids
+        against the vocabulary, the seeds of the n choices): a 400 up front."""
+        try:
+            self.engine.input_processor.check_params(params)
+        except InvalidRequestError as exc:
+            match = _PARAM.match(str(exc))
+            raise bad_request(str(exc), match.group(0) if match else None) from None
+
+    def check_prompt_ids(self, ids: list[int], param: str) -> None:
+        try:
+            check_token_ids(ids, self.engine.input_processor.vocab_size, param)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param) from None
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize off the event loop (the tokenizer releases the GIL)."""
+        (ids,) = await off_loop(self.tokenizer.encode_batch, [text], add_special_tokens)
+        return ids
+
     def max_tokens_for(
         self, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str
     ) -> int:
         """The max_tokens to run with: the request's, or all the room left."""
-        room = self.max_model_len - prompt_len
+        self.limits.check_tokens(prompt_len, prompt_param)
+        room = max_tokens_room(prompt_len, self.max_model_len)
         if room < 1:
             raise APIError(
                 413,
@@ -104,7 +145,8 @@ class ServingBase:
                 timer.on_output(new)
                 yield out
         except EngineDeadError as exc:
-            raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from None
+            logger.warning("request %s failed: the engine is not running (%s)", request_id, exc)
+            raise APIError(503, "the engine is not running", code="engine_dead") from None
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from None
         finally:
@@ -147,15 +189,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def top_entries(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-    """The `num` most likely tokens of one position, most likely first."""
-    if num <= 0:
-        return []
-    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num]
-
-
-def token_str(token_id: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else str(token_id)
+async def gather_first_error(works: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Await all, in order; the first failure cancels the rest and is raised."""
+    if len(works) == 1:
+        return [await works[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(w) for w in works]
+    except ExceptionGroup as group_error:  # the first failure answers the request
+        raise group_error.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 _END = object()

@@ -14,17 +14,19 @@ from asyncllm.frontend.async_llm import AsyncLLM
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.chat_template import ChatTemplate, ChatTemplateError
+from asyncllm.server.limits import Admission
+from asyncllm.server.logprobs import chat_logprobs
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.protocol import APIError, ChatCompletionRequest, ChatMessage, bad_request
 from asyncllm.server.serving_base import (
     ServerConfig,
     ServingBase,
+    off_loop,
     random_id,
-    token_str,
-    top_entries,
     usage,
 )
 from asyncllm.server.sse import DONE, ChunkRenderer, SSEResponse, error_event, run_until_disconnect
+from asyncllm.server.token_text import TokenText
 
 JSON = "application/json"
 
@@ -36,8 +38,10 @@ class ChatServing(ServingBase):
         config: ServerConfig,
         metrics: ServerMetrics,
         template: ChatTemplate | None,
+        admission: Admission | None = None,
+        token_text: TokenText | None = None,
     ) -> None:
-        super().__init__(engine, config, metrics)
+        super().__init__(engine, config, metrics, admission, token_text)
         self.template = template
 
     def render_prompt(
@@ -45,9 +49,9 @@ class ChatServing(ServingBase):
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
-    ) -> tuple[str, list[int]]:
-        """The prompt text and ids. The template writes the special tokens itself
-        (BOS included), so the tokenizer adds none."""
+    ) -> str:
+        """The prompt text. The template writes the special tokens itself (BOS
+        included), so the tokenizer adds none. Pure: runs on a worker thread."""
         if self.template is None:
             raise bad_request(
                 "this model has no chat template: start the server with --chat-template FILE, "
@@ -55,28 +59,55 @@ class ChatServing(ServingBase):
                 "messages",
             )
         try:
-            text = self.template.render(
+            return self.template.render(
                 [m.template_dict() for m in messages], add_generation_prompt, extra
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def tokenize_messages(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids, within the limits; off the event loop."""
+        self.limits.check_messages(messages)
+        text = await off_loop(self.render_prompt, messages, add_generation_prompt, extra)
+        self.limits.check_chars(len(text), "messages")
+        return text, await self.encode(text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, receive: Any) -> Response:
         self.check_model(req.model)
-        text, ids = self.render_prompt(
+        self.limits.check_sampling(req)
+        text, ids = await self.tokenize_messages(
             req.messages, req.add_generation_prompt, req.chat_template_kwargs
         )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(len(ids), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens)
+        self.check_params(params)
+        self.limits.check_response_size(
+            [len(ids)],
+            [max_tokens],
+            params.n,
+            echo=False,
+            logprobs=params.logprobs,
+            chat=True,
+            stream=req.stream,
+        )
         self.check_engine()
+        ticket = self.admission.admit(params.n)
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.stream:
-            return SSEResponse(self._stream(req, text, ids, params, request_id, created))
-        work = self._complete(req, text, ids, params, request_id, created)
-        body = await run_until_disconnect(receive, work)
+            chunks = self._stream(req, text, ids, params, request_id, created)
+            return SSEResponse(chunks, on_close=ticket.release)
+        try:
+            work = self._complete(req, text, ids, params, request_id, created)
+            body = await run_until_disconnect(receive, work)
+        finally:
+            ticket.release()
         if body is None:
             return Response(status_code=499)
         return Response(body, media_type=JSON)
@@ -106,7 +137,8 @@ class ChatServing(ServingBase):
                         continue
                     lp = b"null"
                     if req.logprobs and c.token_ids:
-                        lp = json.dumps({"content": _chat_logprobs(c, num_top)}).encode()
+                        content = chat_logprobs(self.token_text, c, num_top)
+                        lp = json.dumps({"content": content}).encode()
                     if c.text or c.finish_reason is not None or lp != b"null":
                         yield renderer.chunk(c.index, c.text, c.finish_reason, lp)
                     if c.finish_reason is not None:
@@ -131,57 +163,44 @@ class ChatServing(ServingBase):
         outputs, _ = await self.collect(
             self.generate(ids, text, params, request_id, timer), params.n
         )
+        return await off_loop(self._build, req, ids, outputs, request_id, created)
+
+    def _build(
+        self,
+        req: ChatCompletionRequest,
+        ids: list[int],
+        outputs: list[CompletionOutput],
+        request_id: str,
+        created: int,
+    ) -> bytes:
+        """The whole response body; runs on a worker thread, one choice at a time."""
         choices = []
         for c in outputs:
             lp = None
             if req.logprobs:
-                lp = {"content": _chat_logprobs(c, req.top_logprobs or 0), "refusal": None}
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": {
-                        "role": "assistant",
-                        "content": c.text,
-                        "refusal": None,
-                        "tool_calls": [],
-                    },
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        body = {
+                content = chat_logprobs(self.token_text, c, req.top_logprobs or 0)
+                lp = {"content": content, "refusal": None}
+            choice = {
+                "index": c.index,
+                "message": {
+                    "role": "assistant",
+                    "content": c.text,
+                    "refusal": None,
+                    "tool_calls": [],
+                },
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            choices.append(json.dumps(choice, separators=(",", ":")).encode())
+        head = {
             "id": request_id,
             "object": "chat.completion",
             "created": created,
             "model": self.model_name,
-            "choices": choices,
             "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs)),
             "system_fingerprint": None,
         }
-        return json.dumps(body, separators=(",", ":")).encode()
-
-
-def _chat_logprobs(c: CompletionOutput, num_top: int) -> list[dict[str, Any]]:
-    """OpenAI's chat shape: per token its string, logprob, UTF-8 bytes and the
-    `num_top` most likely alternatives."""
-    content = []
-    for token_id, entry in zip(c.token_ids, c.logprobs or (), strict=False):
-        chosen = entry.get(token_id)
-        token = token_str(token_id, chosen) if chosen else str(token_id)
-        content.append(
-            {
-                "token": token,
-                "logprob": chosen.logprob if chosen else None,
-                "bytes": list(token.encode()),
-                "top_logprobs": [
-                    {
-                        "token": token_str(t, v),
-                        "logprob": v.logprob,
-                        "bytes": list(token_str(t, v).encode()),
-                    }
-                    for t, v in top_entries(entry, num_top)
-                ],
-            }
+        return json.dumps(head, separators=(",", ":"))[:-1].encode() + (
+            b',"choices":[' + b",".join(choices) + b"]}"
         )
-    return content

@@ -1,9 +1,14 @@
 """`POST /v1/completions`: one or several prompts (text or token ids), `n` choices
-each, streamed as SSE or answered whole, with legacy `logprobs` and `echo`."""
+each, streamed as SSE or answered whole, with legacy `logprobs` and `echo`.
+
+`max_tokens: 0` with `echo` (how scoring clients ask for prompt logprobs only)
+runs the request for one token, which the core needs to compute the prompt's
+logprobs, and drops that token: the choice is the echoed prompt, no completion
+tokens, finish_reason "length".
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -13,13 +18,15 @@ from starlette.responses import Response
 
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.server.limits import Ticket
+from asyncllm.server.logprobs import LegacyLogprobs
 from asyncllm.server.protocol import APIError, CompletionRequest, bad_request
 from asyncllm.server.serving_base import (
     ServingBase,
+    gather_first_error,
     merge_streams,
+    off_loop,
     random_id,
-    token_str,
-    top_entries,
     usage,
 )
 from asyncllm.server.sse import DONE, ChunkRenderer, SSEResponse, error_event, run_until_disconnect
@@ -30,7 +37,7 @@ JSON = "application/json"
 class _Prompt:
     """One prompt of a request, tokenized, with its sampling parameters."""
 
-    __slots__ = ("index", "text", "ids", "params", "request_id")
+    __slots__ = ("index", "text", "ids", "params", "request_id", "echo", "pieces")
 
     def __init__(self, index: int, text: str | None, ids: list[int]) -> None:
         self.index = index
@@ -38,27 +45,71 @@ class _Prompt:
         self.ids = ids
         self.params: SamplingParams | None = None
         self.request_id = ""
+        self.echo = ""  # the echoed text (echo only)
+        self.pieces: list[str] = []  # each prompt token's share of `echo`
 
 
 class CompletionServing(ServingBase):
     async def create(self, req: CompletionRequest, receive: Any) -> Response:
         self.check_model(req.model)
-        prompts = self._prompts(req.prompt)
+        self.limits.check_sampling(req)
+        prompts = await self._prompts(req.prompt)
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise bad_request(
+                "max_tokens=0 is only valid with echo=true (the prompt's logprobs alone)",
+                "max_tokens",
+            )
+        wanted = 1 if prompt_only else req.max_tokens
         base_id = random_id("cmpl")
+        max_tokens = []
         for p in prompts:
-            max_tokens = self.max_tokens_for(len(p.ids), req.max_tokens, "max_tokens", "prompt")
-            p.params = req.sampling_params(max_tokens)
+            max_tokens.append(self.max_tokens_for(len(p.ids), wanted, "max_tokens", "prompt"))
+            p.params = req.sampling_params(max_tokens[-1])
             p.request_id = base_id if len(prompts) == 1 else f"{base_id}-{p.index}"
+        params = prompts[0].params
+        assert params is not None
+        self.check_params(params)
+        self.limits.check_response_size(
+            [len(p.ids) for p in prompts],
+            [0 if prompt_only else m for m in max_tokens],
+            params.n,
+            echo=req.echo,
+            logprobs=req.logprobs,
+            chat=False,
+            stream=req.stream,
+        )
+        if req.echo:
+            for p in prompts:
+                p.echo, p.pieces = await off_loop(self._echo, p)
         self.check_engine()
+        ticket = self.admission.admit(len(prompts) * params.n)
         created = int(time.time())
         if req.stream:
-            return SSEResponse(self._stream(req, prompts, base_id, created))
-        body = await run_until_disconnect(receive, self._complete(req, prompts, base_id, created))
+            chunks = self._stream(req, prompts, base_id, created, prompt_only)
+            return SSEResponse(chunks, on_close=ticket.release)
+        return await self._respond(req, prompts, base_id, created, prompt_only, receive, ticket)
+
+    async def _respond(
+        self,
+        req: CompletionRequest,
+        prompts: list[_Prompt],
+        base_id: str,
+        created: int,
+        prompt_only: bool,
+        receive: Any,
+        ticket: Ticket,
+    ) -> Response:
+        try:
+            work = self._complete(req, prompts, base_id, created, prompt_only)
+            body = await run_until_disconnect(receive, work)
+        finally:
+            ticket.release()
         if body is None:
             return Response(status_code=499)
         return Response(body, media_type=JSON)
 
-    def _prompts(self, prompt: Any) -> list[_Prompt]:
+    async def _prompts(self, prompt: Any) -> list[_Prompt]:
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -67,34 +118,47 @@ class CompletionServing(ServingBase):
             items = list(prompt)
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
-        vocab = self.engine.input_processor.vocab_size
+        self.limits.check_prompts(items)
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await off_loop(self.tokenizer.encode_batch, texts) if texts else ())
         out = []
         for i, item in enumerate(items):
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item)
-                out.append(_Prompt(i, item, ids))
+                out.append(_Prompt(i, item, next(encoded)))
                 continue
             if not item:
                 raise bad_request("a token-id prompt must not be empty", "prompt")
-            for t in item:
-                if not 0 <= t < vocab:
-                    raise bad_request(f"prompt token id {t} is outside [0, {vocab})", "prompt")
+            self.check_prompt_ids(item, "prompt")
             out.append(_Prompt(i, None, list(item)))
         if not any(p.ids for p in out):
             raise bad_request("prompt must not be empty", "prompt")
         return out
 
-    def _echo_text(self, p: _Prompt) -> str:
-        return p.text if p.text is not None else self.tokenizer.decode(p.ids)
+    def _echo(self, p: _Prompt) -> tuple[str, list[str]]:
+        """The echoed prompt and its tokens' shares of it. A text prompt echoes as
+        given, unless its tokens' text cannot be fitted to it; a token-id prompt
+        as its tokens' text, special tokens included. Either way text, tokens and
+        text_offset describe the same string."""
+        if p.text is not None:
+            pieces = self.token_text.pieces_of_text(p.ids, p.text)
+            if pieces is not None:
+                return p.text, pieces
+        pieces = self.token_text.pieces(p.ids)
+        return "".join(pieces), pieces
 
     # -- streamed -------------------------------------------------------------------------
 
     async def _stream(
-        self, req: CompletionRequest, prompts: list[_Prompt], base_id: str, created: int
+        self,
+        req: CompletionRequest,
+        prompts: list[_Prompt],
+        base_id: str,
+        created: int,
+        prompt_only: bool,
     ) -> AsyncIterator[bytes]:
         renderer = ChunkRenderer(base_id, created, self.model_name, False, req.include_usage)
         counts = [0, 0]  # prompt tokens, completion tokens
-        streams = [self._stream_prompt(req, p, renderer, counts) for p in prompts]
+        streams = [self._stream_prompt(req, p, renderer, counts, prompt_only) for p in prompts]
         try:
             async for chunk in merge_streams(streams):
                 yield chunk
@@ -106,39 +170,48 @@ class CompletionServing(ServingBase):
         yield DONE
 
     async def _stream_prompt(
-        self, req: CompletionRequest, p: _Prompt, renderer: ChunkRenderer, counts: list[int]
+        self,
+        req: CompletionRequest,
+        p: _Prompt,
+        renderer: ChunkRenderer,
+        counts: list[int],
+        prompt_only: bool,
     ) -> AsyncIterator[bytes]:
         assert p.params is not None
         n = p.params.n
         base = p.index * n
-        echo: list[str | None] | None = [self._echo_text(p)] * n if req.echo else None
+        pending_echo = [req.echo] * n
         done = [False] * n
         want_lp = req.logprobs is not None
-        num_top = req.logprobs or 0
+        lps = LegacyLogprobs(self.token_text, req.logprobs or 0, p.params.skip_special_tokens)
         offsets = [0] * n
+        decoders = [self.token_text.piece_decoder(p.params.skip_special_tokens) for _ in range(n)]
         timer = self.metrics.start(len(p.ids))
         counts[0] += len(p.ids)
         async for out in self.generate(p.ids, p.text, p.params, p.request_id, timer):
             for c in out.outputs:
                 i = c.index
+                if prompt_only:
+                    c = _dropped(c)
                 counts[1] += len(c.token_ids)
                 if done[i]:
                     continue
                 text = c.text
                 lp = b"null"
-                prefix = echo[i] if echo is not None else None
-                if prefix is not None:
-                    echo[i] = None  # type: ignore[index]
+                if pending_echo[i]:
+                    pending_echo[i] = False
+                    offsets[i] = len(p.echo)
                     if want_lp:
-                        lp_dict = self._echo_logprobs(p, out.prompt_logprobs, num_top)
-                        _extend(lp_dict, self._logprobs(c, num_top, len(prefix)))
+                        lp_dict = lps.prompt(p.ids, p.pieces, out.prompt_logprobs)
+                        new = lps.sampled(c, offsets[i], decoders[i])
+                        offsets[i] = lps.end_offset(new, offsets[i])
+                        lps.extend(lp_dict, new)
                         lp = json.dumps(lp_dict).encode()
-                    text = prefix + text
-                    offsets[i] = len(prefix)
+                    text = p.echo + text
                 elif want_lp and c.token_ids:
-                    lp = json.dumps(self._logprobs(c, num_top, offsets[i])).encode()
-                if want_lp:
-                    offsets[i] += len(c.text)
+                    new = lps.sampled(c, offsets[i], decoders[i])
+                    offsets[i] = lps.end_offset(new, offsets[i])
+                    lp = json.dumps(new).encode()
                 if text or c.finish_reason is not None or lp != b"null":
                     yield renderer.chunk(base + i, text, c.finish_reason, lp)
                 if c.finish_reason is not None:
@@ -147,103 +220,84 @@ class CompletionServing(ServingBase):
     # -- whole ----------------------------------------------------------------------------
 
     async def _complete(
-        self, req: CompletionRequest, prompts: list[_Prompt], base_id: str, created: int
+        self,
+        req: CompletionRequest,
+        prompts: list[_Prompt],
+        base_id: str,
+        created: int,
+        prompt_only: bool,
     ) -> bytes:
-        if len(prompts) == 1:
-            results = [await self._complete_prompt(req, prompts[0])]
-        else:
-            try:
-                async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._complete_prompt(req, p)) for p in prompts]
-            except ExceptionGroup as group_error:  # the first failure answers the request
-                raise group_error.exceptions[0] from None
-            results = [task.result() for task in tasks]
-        choices: list[dict[str, Any]] = []
-        completion_tokens = 0
-        for prompt_choices, num in results:
-            choices.extend(prompt_choices)
-            completion_tokens += num
-        body = {
-            "id": base_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens),
-            "system_fingerprint": None,
-        }
-        return json.dumps(body, separators=(",", ":")).encode()
+        results = await gather_first_error([self._collect_prompt(p) for p in prompts])
+        return await off_loop(self._build, req, prompts, results, base_id, created, prompt_only)
 
-    async def _complete_prompt(
-        self, req: CompletionRequest, p: _Prompt
-    ) -> tuple[list[dict[str, Any]], int]:
+    async def _collect_prompt(self, p: _Prompt) -> tuple[list[CompletionOutput], Any]:
         assert p.params is not None
-        n = p.params.n
         timer = self.metrics.start(len(p.ids))
-        outputs, prompt_logprobs = await self.collect(
-            self.generate(p.ids, p.text, p.params, p.request_id, timer), n
+        return await self.collect(
+            self.generate(p.ids, p.text, p.params, p.request_id, timer), p.params.n
         )
-        choices = []
-        num_top = req.logprobs or 0
-        for c in outputs:
-            lp: dict[str, Any] | None = None
-            prefix = self._echo_text(p) if req.echo else ""
-            if req.logprobs is not None:
-                lp = self._echo_logprobs(p, prompt_logprobs, num_top) if req.echo else _empty()
-                _extend(lp, self._logprobs(c, num_top, len(prefix)))
-            choices.append(
-                {
-                    "index": p.index * n + c.index,
-                    "text": prefix + c.text,
+
+    def _build(
+        self,
+        req: CompletionRequest,
+        prompts: list[_Prompt],
+        results: list[tuple[list[CompletionOutput], Any]],
+        base_id: str,
+        created: int,
+        prompt_only: bool,
+    ) -> bytes:
+        """The whole response body; runs on a worker thread. Each choice is
+        serialised alone, so the GIL is handed back between choices."""
+        choices: list[bytes] = []
+        completion_tokens = 0
+        for p, (outputs, prompt_logprobs) in zip(prompts, results, strict=True):
+            assert p.params is not None
+            lps = LegacyLogprobs(self.token_text, req.logprobs or 0, p.params.skip_special_tokens)
+            echo_lp = None
+            if req.echo and req.logprobs is not None:
+                echo_lp = lps.prompt(p.ids, p.pieces, prompt_logprobs)
+            for c in outputs:
+                if prompt_only:
+                    c = _dropped(c)
+                completion_tokens += len(c.token_ids)
+                lp: dict[str, Any] | None = None
+                if req.logprobs is not None:
+                    lp = lps.empty() if echo_lp is None else lps.copy(echo_lp)
+                    decoder = self.token_text.piece_decoder(p.params.skip_special_tokens)
+                    lps.extend(lp, lps.sampled(c, len(p.echo), decoder))
+                choice = {
+                    "index": p.index * p.params.n + c.index,
+                    "text": p.echo + c.text,
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
-            )
-        return choices, sum(len(c.token_ids) for c in outputs)
-
-    # -- legacy logprobs ----------------------------------------------------------------
-
-    def _logprobs(self, c: CompletionOutput, num_top: int, offset: int) -> dict[str, Any]:
-        """OpenAI's legacy shape for the tokens of `c`: tokens, token_logprobs,
-        top_logprobs (the `num_top` most likely per position) and text_offset."""
-        lp = _empty()
-        for token_id, entry in zip(c.token_ids, c.logprobs or (), strict=False):
-            chosen = entry.get(token_id)
-            token = token_str(token_id, chosen) if chosen else str(token_id)
-            lp["tokens"].append(token)
-            lp["token_logprobs"].append(chosen.logprob if chosen else None)
-            lp["top_logprobs"].append(
-                {token_str(t, v): v.logprob for t, v in top_entries(entry, num_top)}
-            )
-            lp["text_offset"].append(offset)
-            offset += len(token)
-        return lp
-
-    def _echo_logprobs(self, p: _Prompt, prompt_lps: Any, num_top: int) -> dict[str, Any]:
-        """The prompt's tokens in the legacy shape (the first one has no logprob)."""
-        lp = _empty()
-        offset = 0
-        for k, token_id in enumerate(p.ids):
-            entry = prompt_lps[k] if prompt_lps is not None and k < len(prompt_lps) else None
-            chosen = entry.get(token_id) if entry else None
-            token = self.tokenizer.decode([token_id], False)
-            lp["tokens"].append(token)
-            lp["token_logprobs"].append(chosen.logprob if chosen else None)
-            lp["top_logprobs"].append(
-                {token_str(t, v): v.logprob for t, v in top_entries(entry, num_top)}
-                if entry
-                else None
-            )
-            lp["text_offset"].append(offset)
-            offset += len(token)
-        return lp
+                choices.append(json.dumps(choice, separators=(",", ":")).encode())
+        head = {
+            "id": base_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "usage": usage(sum(len(p.ids) for p in prompts), completion_tokens),
+            "system_fingerprint": None,
+        }
+        return json.dumps(head, separators=(",", ":"))[:-1].encode() + (
+            b',"choices":[' + b",".join(choices) + b"]}"
+        )
 
 
-def _empty() -> dict[str, Any]:
-    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def _dropped(c: CompletionOutput) -> CompletionOutput:
+    """A choice of a `max_tokens: 0` request without the token run to get the
+    prompt's logprobs."""
+    return CompletionOutput(
+        c.index, "", [], None, [], _PROMPT_ONLY_FINISH.get(c.finish_reason), None
+    )
 
 
-def _extend(into: dict[str, Any], more: dict[str, Any]) -> None:
-    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        into[key].extend(more[key])
+# the dropped token may have been EOS; the choice still ended for max_tokens
+_PROMPT_ONLY_FINISH: dict[str | None, str | None] = {
+    "stop": "length",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any, TypeVar
 
@@ -95,8 +95,11 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(
+        self, chunks: AsyncIterator[bytes], on_close: Callable[[], None] | None = None
+    ) -> None:
         self.chunks = chunks
+        self.on_close = on_close  # called once the stream has ended, however it ended
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -110,9 +113,13 @@ class SSEResponse(Response):
             for task in (stream, watcher):
                 task.cancel()
             await asyncio.gather(stream, watcher, return_exceptions=True)
-            aclose = getattr(self.chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.chunks, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
         if stream.done() and not stream.cancelled() and stream.exception() is not None:
             exc = stream.exception()
             if not isinstance(exc, OSError):  # a send to a client that just left

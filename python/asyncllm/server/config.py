@@ -1,0 +1,89 @@
+"""`ServerConfig`: the server's own settings (the engine's are `EngineArgs`),
+among them a bound on every size a client controls and a timeout on every wait a
+client can cause. Each limit is an `asyncllm serve` flag of the same name
+(`max_n` is `--max-n`); `LIMIT_HELP` documents them and the CLI is generated from
+it, so a limit cannot lack a flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from asyncllm.errors import ConfigError
+
+MiB = 1 << 20
+
+LIMIT_HELP: dict[str, str] = {
+    "max_request_body_bytes": "largest request body; checked from Content-Length before "
+    "the body is read, and while it streams in (HTTP 413)",
+    "max_prompt_chars": "characters in one prompt (for chat: in all messages together)",
+    "max_prompt_tokens": "tokens in one prompt (0: the model's context length)",
+    "max_prompts_per_request": "prompts in one /v1/completions request",
+    "max_n": "choices per prompt (n)",
+    "max_stop_strings": "stop strings per request",
+    "max_stop_string_chars": "characters in one stop string",
+    "max_logit_bias": "entries in logit_bias",
+    "max_stop_token_ids": "entries in stop_token_ids",
+    "max_chat_messages": "messages in one chat request",
+    "max_header_bytes": "bytes of a request's line and headers (HTTP 431)",
+    "max_response_bytes": "the response size a request may build, estimated before it "
+    "runs from n, prompts, max_tokens, echo and logprobs",
+    "header_timeout": "seconds a client has to send a request's headers",
+    "body_timeout": "seconds a client has to send a request's body (HTTP 408)",
+    "stream_idle_timeout": "seconds a response may wait on a client that does not read "
+    "before the connection is closed and the request aborted",
+    "max_connections": "open connections; more are answered 503 and closed",
+}
+
+
+@dataclass
+class ServerConfig:
+    """The server's own settings. Every limit is positive; `validate` says which
+    one is not."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_concurrent_requests: int | None = None  # sequences (prompts x n) running at once
+    chat_template: str | None = None
+    shutdown_timeout: float = 10.0
+    stats_interval: float = 10.0
+    # -- limits (see LIMIT_HELP) --
+    max_request_body_bytes: int = 16 * MiB
+    max_prompt_chars: int = 1 * MiB
+    max_prompt_tokens: int = 0
+    max_prompts_per_request: int = 256
+    max_n: int = 128
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+    max_logit_bias: int = 300
+    max_stop_token_ids: int = 256
+    max_chat_messages: int = 1024
+    max_header_bytes: int = 16 * 1024
+    max_response_bytes: int = 32 * MiB
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    stream_idle_timeout: float = 30.0
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in LIMIT_HELP:
+            value = getattr(self, name)
+            minimum = 0 if name == "max_prompt_tokens" else 1
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag}={value!r} is invalid: must be a number >= {minimum}")
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
+            raise ConfigError("--max-concurrent-requests must be >= 1")
+
+
+def limit_fields() -> list[tuple[str, type, object]]:
+    """(name, int or float, default) of every limit, in LIMIT_HELP's order."""
+    by_name = {f.name: f for f in fields(ServerConfig)}
+    out: list[tuple[str, type, object]] = []
+    for name in LIMIT_HELP:
+        f = by_name[name]
+        kind: type = float if str(f.type).startswith("float") else int
+        out.append((name, kind, f.default))
+    return out

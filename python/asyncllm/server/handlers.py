@@ -1,0 +1,130 @@
+"""The route handlers, as methods of one object built around a started engine,
+so each can be called (and tested) on its own: `await handlers.list_models(req)`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from asyncllm import __version__
+from asyncllm.errors import EngineDeadError
+from asyncllm.frontend.async_llm import AsyncLLM
+from asyncllm.server.config import ServerConfig
+from asyncllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from asyncllm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    parse_body,
+)
+from asyncllm.server.serving_base import off_loop
+from asyncllm.server.serving_chat import ChatServing
+from asyncllm.server.serving_completions import CompletionServing
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_TIMEOUT_S = 5.0
+_STATS_TIMEOUT_S = 5.0
+_UTILITY_TIMEOUT_S = 30.0
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(data), status_code=status, media_type="application/json")
+
+
+class Handlers:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        config: ServerConfig,
+        metrics: ServerMetrics,
+        completions: CompletionServing,
+        chat: ChatServing,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.completions = completions
+        self.chat = chat
+
+    async def core_stats(self) -> dict[str, Any] | None:
+        try:
+            return await asyncio.wait_for(self.engine.get_stats(), _STATS_TIMEOUT_S)
+        except Exception:  # a dead or hung core: metrics without its state
+            return None
+
+    async def create_completion(self, request: Request) -> Response:
+        req = parse_body(CompletionRequest, await request.body())
+        return await self.completions.create(req, request.receive)
+
+    async def create_chat_completion(self, request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await request.body())
+        return await self.chat.create(req, request.receive)
+
+    async def list_models(self, request: Request) -> Response:
+        """The served names only: the model's local path stays private."""
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "asyncllm",
+                "root": name,
+                "max_model_len": self.engine.max_model_len,
+            }
+            for name in self.config.served_model_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.engine.check_health(_HEALTH_TIMEOUT_S)
+        except EngineDeadError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def get_metrics(self, request: Request) -> Response:
+        body = self.metrics.render(await self.core_stats())
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def tokenize(self, request: Request) -> Response:
+        req = parse_body(TokenizeRequest, await request.body())
+        serving = self.completions
+        serving.check_model(req.model)
+        if req.messages is not None:
+            _, ids = await self.chat.tokenize_messages(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            serving.limits.check_chars(len(req.prompt), "prompt")
+            ids = await serving.encode(req.prompt, req.add_special_tokens)
+        else:
+            raise bad_request("give 'prompt' or 'messages'", "prompt")
+        return json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        req = parse_body(DetokenizeRequest, await request.body())
+        serving = self.completions
+        serving.check_model(req.model)
+        serving.limits.check_tokens(len(req.tokens), "tokens")
+        serving.check_prompt_ids(req.tokens, "tokens")
+        text = await off_loop(self.engine.tokenizer.decode, req.tokens)
+        return json_response({"prompt": text})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Drop every cached prefix block not in use (behind the API key)."""
+        if self.engine.errored:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        reset = await self.engine.call_utility("reset_prefix_cache", None, _UTILITY_TIMEOUT_S)
+        return json_response({"reset": bool(reset)})
+
+    async def version(self, request: Request) -> Response:
+        return json_response({"version": __version__})
