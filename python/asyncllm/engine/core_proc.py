@@ -10,11 +10,19 @@ Run as `python -m asyncllm.engine.core_proc` by the front end's launcher (a fres
 interpreter, so user scripts need no `__main__` guard), or in a thread of the
 front end's process over `inproc://` sockets for debugging. The first frame it
 sends is READY or, when start-up fails, ENGINE_ERROR with the root cause.
+
+Failure is all or nothing: an exception (or a Rust panic, a `BaseException`) in
+any of the three threads sends one ENGINE_ERROR frame naming the thread and the
+cause, stops the busy loop, and ends the process with status 1, so every request
+waiting in the front end fails at once instead of hanging. The process ignores
+SIGINT and SIGTERM (a signal to the whole process group must not end it before
+the front end has drained): it leaves on SHUTDOWN, or when its parent dies.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -46,6 +54,7 @@ _INPUT_QUEUE_SIZE = 4096
 _OUTPUT_QUEUE_SIZE = 64
 _SEND_HWM = 256
 _LINGER_MS = 2000
+_QUEUE_POLL_S = 0.1  # how often a thread blocked on a full queue checks for failure
 
 
 class _Stop:
@@ -72,6 +81,9 @@ class EngineCoreProc:
         self.handoff_times: deque[float] = deque(maxlen=20000)
         self.backpressure_waits: deque[float] = deque(maxlen=20000)
         self._shutdown = False
+        # The first failure of any thread; once set, the busy loop stops.
+        self.failure: BaseException | None = None
+        self._failure_lock = threading.Lock()
         self.core: EngineCore | None = None
         # The output thread comes first, so a start-up failure can still be reported.
         self._output_thread = threading.Thread(
@@ -81,7 +93,7 @@ class EngineCoreProc:
         try:
             self.core = _build_core(args)
         except BaseException as exc:
-            self.output_queue.put(_core.encode_engine_error(_describe(exc)))
+            self._put_output(_core.encode_engine_error(_describe(exc)))
             self.close()
             raise
         core = self.core
@@ -106,10 +118,17 @@ class EngineCoreProc:
     # -- the busy loop (main thread) -----------------------------------------------
 
     def run_busy_loop(self) -> None:
+        """Step until SHUTDOWN or a failure (then `self.failure` is set and the
+        front end has been told)."""
+        try:
+            self._busy_loop()
+        except BaseException as exc:
+            self._fail(exc, "busy loop")
+
+    def _busy_loop(self) -> None:
         core = self.core
         assert core is not None
         put_nowait = self.output_queue.put_nowait
-        put = self.output_queue.put
         handoff = self.handoff_times.append
         backpressure = self.backpressure_waits.append
         has_unfinished = core.scheduler.has_unfinished_requests
@@ -126,7 +145,7 @@ class EngineCoreProc:
                     put_nowait(outputs)
                 except queue.Full:  # the front end lags: wait for it (back-pressure)
                     t1 = perf_counter()
-                    put(outputs)
+                    self._put_output(outputs)
                     waited = perf_counter() - t1
                     backpressure(waited)
                     t0 += waited  # the hand-off's cost, without the wait
@@ -157,21 +176,23 @@ class EngineCoreProc:
             if rejected:
                 ids = [rid for rid, _ in rejected]
                 errors: list[str | None] = [msg for _, msg in rejected]
-                self.output_queue.put(core.final_outputs(ids, "error", errors))
+                self._put_output(core.final_outputs(ids, "error", errors))
         elif kind == "abort":
             outputs = core.abort_requests(item[1])
             if outputs.req_ids:
-                self.output_queue.put(outputs)
+                self._put_output(outputs)
         elif kind == "utility":
             _, call_id, method, args = item
             try:
                 value = self._call_utility(method, args)
-                self.output_queue.put(_core.encode_utility_result(call_id, True, value))
+                result = _core.encode_utility_result(call_id, True, value)
             except Exception as exc:  # a failed utility call fails that call only
                 logger.warning("utility call %s failed: %s", method, exc)
-                self.output_queue.put(_core.encode_utility_result(call_id, False, str(exc)))
+                result = _core.encode_utility_result(call_id, False, str(exc))
+            self._put_output(result)
         elif kind == "shutdown":
             self._shutdown = True
+        # "wake" (from `_fail`) only unblocks the loop, which then sees `_shutdown`.
 
     def _call_utility(self, method: str, args: Any) -> Any:
         core = self.core
@@ -223,9 +244,9 @@ class EngineCoreProc:
         sock.connect(addr)
         core = self.core
         assert core is not None
-        put = self.input_queue.put
+        put = self._put_input
         try:
-            while True:
+            while not self._shutdown:
                 frame = sock.recv(copy=True)
                 try:
                     msg_type, payload = _core.decode_message(frame)
@@ -252,6 +273,8 @@ class EngineCoreProc:
                     logger.warning("dropped an unexpected message of type %d", msg_type)
         except zmq.ContextTerminated:
             return
+        except BaseException as exc:  # BaseException: a Rust panic is not an Exception
+            self._fail(exc, "input thread")
         finally:
             sock.close()
 
@@ -270,13 +293,68 @@ class EngineCoreProc:
                 sock.send(frame, copy=False)
         except zmq.ContextTerminated:
             return
+        except BaseException as exc:
+            # This thread is the one that reports failures: report its own here.
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(_core.encode_engine_error(_failure_text(exc, "output thread")))
+            self._fail(exc, "output thread", report=False)
         finally:
             sock.close()
 
+    # -- failure and hand-offs ------------------------------------------------------
+
+    def _fail(self, exc: BaseException, thread: str, report: bool = True) -> None:
+        """Any thread, on an exception it cannot recover from: tell the front end
+        (ENGINE_ERROR) and stop the busy loop. The first failure wins."""
+        with self._failure_lock:
+            if self.failure is not None:
+                return
+            self.failure = exc
+        logger.error("engine core %s failed", thread, exc_info=exc)
+        if report:
+            self._put_output(_core.encode_engine_error(_failure_text(exc, thread)))
+        self._shutdown = True
+        with contextlib.suppress(queue.Full):  # if full, the loop is not blocked on it
+            self.input_queue.put_nowait(("wake",))
+
+    def _put_output(self, item: Any, timeout: float | None = None) -> None:
+        """Queue an item for the output thread, waiting while the queue is full
+        (back-pressure), but never for a dead output thread (or past `timeout`)."""
+        q = self.output_queue
+        try:
+            q.put_nowait(item)
+            return
+        except queue.Full:
+            pass
+        waited = 0.0
+        while self._output_thread.is_alive() and (timeout is None or waited < timeout):
+            try:
+                q.put(item, timeout=_QUEUE_POLL_S)
+                return
+            except queue.Full:
+                waited += _QUEUE_POLL_S
+
+    def _put_input(self, item: tuple[Any, ...]) -> None:
+        """Input thread: queue for the busy loop, waiting while the queue is full,
+        but not for a busy loop that has stopped."""
+        q = self.input_queue
+        try:
+            q.put_nowait(item)
+            return
+        except queue.Full:
+            pass
+        while not self._shutdown:
+            try:
+                q.put(item, timeout=_QUEUE_POLL_S)
+                return
+            except queue.Full:
+                pass
+
     def close(self) -> None:
         """Flush what is queued for the front end and stop the output thread."""
-        self.output_queue.put(_Stop)
-        self._output_thread.join(timeout=_LINGER_MS / 1000 + 1)
+        limit = _LINGER_MS / 1000 + 1
+        self._put_output(_Stop, timeout=limit)
+        self._output_thread.join(timeout=limit)
 
 
 def _build_core(args: EngineArgs) -> EngineCore:
@@ -292,6 +370,10 @@ def _build_core(args: EngineArgs) -> EngineCore:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _failure_text(exc: BaseException, thread: str) -> str:
+    return f"the engine core's {thread} failed: {_describe(exc)}"
 
 
 def _watch_parent() -> None:
@@ -319,22 +401,20 @@ def main(argv: list[str] | None = None) -> int:
         level=envs.log_level(),
         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s",
     )
-    # Ctrl-C reaches the whole process group; the front end decides what to do.
+    # Ctrl-C, systemd's stop and `kill -- -PGID` reach the whole process group: the
+    # front end decides, drains its requests, then sends SHUTDOWN. If it dies
+    # instead, `_watch_parent` ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if opts.watch_stdin:
         threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
     proc = None
     try:
         proc = EngineCoreProc(EngineArgs.from_json(opts.engine_args), opts.input, opts.output)
-        proc.run_busy_loop()
-        return 0
-    except SystemExit:
-        return 0
-    except BaseException as exc:
+        proc.run_busy_loop()  # reports its own failures, and those of the IO threads
+        return 0 if proc.failure is None else 1
+    except BaseException:  # start-up: the constructor has reported it
         traceback.print_exc()
-        if proc is not None:  # start-up errors were reported by the constructor
-            proc.output_queue.put(_core.encode_engine_error(_describe(exc)))
         return 1
     finally:
         if proc is not None:

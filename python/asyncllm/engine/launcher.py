@@ -60,15 +60,17 @@ class CoreProcess:
         return self.proc.wait()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Wait for the child to exit (after SHUTDOWN), else terminate, else kill.
-        Removes the socket directory. Idempotent."""
+        """Wait for the child to exit (after SHUTDOWN), else close its stdin (it
+        exits on EOF; it ignores SIGTERM), else kill it. Removes the socket
+        directory. Idempotent."""
         proc = self.proc
         if proc is not None:
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                logger.warning("engine core did not exit in %.1fs; terminating it", timeout)
-                proc.terminate()
+                logger.warning("engine core did not exit in %.1fs; stopping it", timeout)
+                if proc.stdin is not None:
+                    proc.stdin.close()
                 try:
                     proc.wait(timeout=2.0)
                 except subprocess.TimeoutExpired:

@@ -6,6 +6,13 @@ the per-request collectors; `generate()` consumers read from their collector.
 A stop-string match finishes the request for the consumer at once and aborts it
 in the core. If the core dies, every waiting `generate()` raises
 `EngineDeadError` and new requests fail fast with it.
+
+Failures: a batch the output processor cannot process fails the requests it
+names (with `OutputProcessingError`) and the engine keeps serving the others
+(that processing only touches those requests' state); the output handler task
+itself ending is fatal, like the core's death. Batches wait for the handler in a
+bounded queue: when the event loop falls behind, the receiver thread blocks, and
+back-pressure reaches the core's busy loop through the sockets.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import queue
 import weakref
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -26,7 +34,11 @@ from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.core_client import MPClient
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_collector import RequestOutputCollector
-from asyncllm.frontend.output_processor import OutputProcessor, ParentState
+from asyncllm.frontend.output_processor import (
+    OutputProcessingError,
+    OutputProcessor,
+    ParentState,
+)
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -34,6 +46,10 @@ from asyncllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _HEALTH_TIMEOUT_S = 10.0
+# Step batches waiting for the output handler. Small: a batch holds one step, and
+# a full queue is what makes the core wait for a lagging event loop.
+_MAX_PENDING_BATCHES = 64
+_PUT_POLL_S = 0.1  # how often a receiver blocked on a full queue checks for shutdown
 
 
 class AsyncLLM:
@@ -55,8 +71,10 @@ class AsyncLLM:
         self.args = args
         self.tokenizer = Tokenizer(args.tokenizer or args.model)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._batches: asyncio.Queue[_core.OutputBatch] | None = None
-        self._pending: list[_core.OutputBatch] = []  # batches before a loop existed
+        self._batches: queue.Queue[_core.OutputBatch] = queue.Queue(_MAX_PENDING_BATCHES)
+        self._wakeup: asyncio.Event | None = None  # set when batches arrive
+        self._dead_event: asyncio.Event | None = None  # set once when the engine dies
+        self._closed = False
         self.client = MPClient(
             args,
             self._on_output,
@@ -84,7 +102,9 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None or self.client.dead is not None
+        handler = self._handler
+        lost_handler = handler is not None and handler.done() and not self._closed
+        return self._dead is not None or self.client.dead is not None or lost_handler
 
     @property
     def is_running(self) -> bool:
@@ -175,15 +195,26 @@ class AsyncLLM:
             ) from None
 
     async def call_utility(self, method: str, args: Any = None, timeout: float = 30.0) -> Any:
-        """Call a core utility (get_stats, reset_prefix_cache, get_step_timings)."""
+        """Call a core utility (get_stats, reset_prefix_cache, get_step_timings).
+        Raises TimeoutError after `timeout` seconds (the call is then forgotten)."""
         future = self.client.call_utility(method, args)
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        """Return when the engine dies (the core, or this front end's output
+        handler), with the error every request got. For supervisors: the server
+        exits non-zero on it."""
+        self._start_handler()
+        assert self._dead_event is not None
+        await self._dead_event.wait()
+        return self.dead_error
 
     async def get_stats(self) -> dict[str, Any]:
         return await self.call_utility("get_stats")  # type: ignore[no-any-return]
 
     def shutdown(self) -> None:
         """Stop the engine core and release every resource. Idempotent."""
+        self._closed = True
         if self._handler is not None and not self._handler.done():
             self._handler.cancel()
         self._finalizer()
@@ -197,22 +228,32 @@ class AsyncLLM:
         if self._handler is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._batches = asyncio.Queue()
-        for batch in self._pending:
-            self._batches.put_nowait(batch)
-        self._pending.clear()
+        self._wakeup = asyncio.Event()
+        self._dead_event = asyncio.Event()
+        if self.errored:
+            self._dead_event.set()
         self._handler = self._loop.create_task(self._output_handler(), name="asyncllm-output")
+        self._handler.add_done_callback(self._on_handler_done)
 
     def _on_output(self, batch: _core.OutputBatch) -> None:
-        """Receiver thread: hand the batch to the event loop."""
-        loop, batches = self._loop, self._batches
-        if loop is None or batches is None:
-            self._pending.append(batch)
-            return
+        """Receiver thread: queue the batch for the event loop, waiting while the
+        queue is full (back-pressure), and wake the output handler."""
         try:
-            loop.call_soon_threadsafe(batches.put_nowait, batch)
-        except RuntimeError:  # the loop has closed
-            pass
+            self._batches.put_nowait(batch)
+        except queue.Full:
+            while True:
+                client = getattr(self, "client", None)
+                if self._closed or (client is not None and not client.is_alive):
+                    return  # nobody will read it: every request has failed or ended
+                try:
+                    self._batches.put(batch, timeout=_PUT_POLL_S)
+                    break
+                except queue.Full:
+                    pass
+        loop, wakeup = self._loop, self._wakeup
+        if loop is not None and wakeup is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(wakeup.set)
 
     def _on_dead(self, error: EngineDeadError) -> None:
         """Monitor thread: fail every waiting request."""
@@ -224,26 +265,82 @@ class AsyncLLM:
             loop.call_soon_threadsafe(self._fail_all, error)
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        self._dead = error
+        if self._dead is None:
+            self._dead = error
         for collector in self._collectors.values():
             collector.put_error(error)
+        if self._dead_event is not None:
+            self._dead_event.set()
+
+    def _on_handler_done(self, task: asyncio.Task[None]) -> None:
+        """The output handler only ends by shutdown; any other end is fatal, for
+        nothing else would deliver outputs to the waiting requests."""
+        if self._closed:
+            return
+        if task.cancelled():  # most often the event loop ending (asyncio.run's exit)
+            cause = "it was cancelled"
+        else:
+            cause = repr(task.exception())
+            logger.error("the output handler failed: %s", cause)
+        with contextlib.suppress(RuntimeError):  # a closing loop
+            self._fail_all(EngineDeadError(f"the front end's output handler stopped: {cause}"))
 
     async def _output_handler(self) -> None:
         batches = self._batches
-        assert batches is not None
-        processor = self.output_processor
-        collectors = self._collectors
+        wakeup = self._wakeup
+        assert wakeup is not None
+        get = batches.get_nowait
         while True:
-            batch = await batches.get()
             try:
-                outputs, stopped = processor.process_outputs(batch)
-            except Exception:
-                logger.exception("processing an output batch failed")
+                batch = get()
+            except queue.Empty:
+                await wakeup.wait()
+                wakeup.clear()  # then drain: a batch put after this sets it again
                 continue
-            for out in outputs:
-                collector = collectors.get(out.request_id)
-                if collector is not None:
-                    collector.put(out)
-            if stopped:
-                with contextlib.suppress(EngineDeadError):
-                    self.client.abort_requests(stopped)
+            self._process_batch(batch)
+
+    def _process_batch(self, batch: _core.OutputBatch) -> None:
+        """One step's outputs to their collectors (the front end's hot path)."""
+        try:
+            outputs, stopped = self.output_processor.process_outputs(batch)
+        except BaseException as exc:  # BaseException: a Rust panic is not an Exception
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            self._fail_batch(batch, exc)
+            return
+        collectors = self._collectors
+        for out in outputs:
+            collector = collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+        if stopped:
+            with contextlib.suppress(EngineDeadError):
+                self.client.abort_requests(stopped)
+
+    def _fail_batch(self, batch: _core.OutputBatch, exc: BaseException) -> None:
+        """Fail the requests a batch names, abort them in the core, keep serving."""
+        logger.error("processing an output batch failed", exc_info=exc)
+        error = OutputProcessingError(
+            f"the front end could not process this request's output: {type(exc).__name__}: {exc}"
+        )
+        children = self.output_processor.children
+        parents = {}
+        for wire_id in batch.wire_ids:
+            child = children.get(wire_id)
+            if child is not None:
+                parents[child.parent.request_id] = child.parent
+        for request_id, parent in parents.items():
+            core_ids = [c.core_id for c in parent.children if c.finish_reason is None]
+            try:
+                self.output_processor.abort(core_ids)
+            except BaseException as again:  # noqa: BLE001 - forget them anyway
+                if isinstance(again, KeyboardInterrupt | SystemExit):
+                    raise
+                logger.error("dropping request %s after a failed abort: %s", request_id, again)
+                for core_id in core_ids:
+                    children.pop(core_id, None)
+            collector = self._collectors.get(request_id)
+            if collector is not None:
+                collector.put_error(error)
+            with contextlib.suppress(EngineDeadError):
+                self.client.abort_requests(core_ids)

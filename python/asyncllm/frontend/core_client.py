@@ -5,16 +5,24 @@ Frames are decoded on the receiver thread (the Rust codec releases the GIL for
 the byte work) and handed to the owner through `on_output`; utility calls are
 matched to their results by call id. If the core dies, `on_dead` is called once
 with an `EngineDeadError` and every pending call fails with it.
+
+Sending never blocks the caller (often the event loop's thread): a frame the
+socket will not take now (the core is not reading) waits, in order, in a
+backlog that a sender thread delivers. Sending and receiving take different
+locks, so a full input pipe can never stop the outputs from being read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import zmq
@@ -28,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often the receiver looks up from its socket to check for shutdown
 _SHUTDOWN_TIMEOUT_S = 5.0
+_SEND_RETRY_S = 0.005  # the sender thread's pause while the core's input pipe is full
+_ERROR_FRAME_WAIT_S = 1.0  # after the core ended: how long its ENGINE_ERROR may take
 
 
 class MPClient:
@@ -45,7 +55,10 @@ class MPClient:
     ) -> None:
         self._on_output = on_output
         self._on_dead = on_dead
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # `dead` and `_calls`; never held while sending
+        self._send_lock = threading.Condition()  # the input socket and the backlog
+        self._backlog: deque[bytes] = deque()
+        self._sender: threading.Thread | None = None
         self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
         self._closing = False
@@ -85,8 +98,7 @@ class MPClient:
         self._receiver = threading.Thread(target=self._receive_loop, name="core-receiver")
         self._receiver.daemon = True
         self._receiver.start()
-        if self.process is not None:
-            threading.Thread(target=self._watch_process, name="core-monitor", daemon=True).start()
+        threading.Thread(target=self._watch_core, name="core-monitor", daemon=True).start()
 
     # -- requests -------------------------------------------------------------------
 
@@ -98,7 +110,8 @@ class MPClient:
             self._send(_core.encode_abort(wire_ids))
 
     def call_utility(self, method: str, args: Any = None) -> Future[Any]:
-        """Run `method` on the core's busy loop; the future holds its result."""
+        """Run `method` on the core's busy loop; the future holds its result.
+        Cancelling the future (a caller's timeout) forgets the call."""
         future: Future[Any] = Future()
         call_id = next(self._call_ids)
         with self._lock:
@@ -106,20 +119,67 @@ class MPClient:
                 future.set_exception(self.dead)
                 return future
             self._calls[call_id] = future
-        self._send(_core.encode_utility_call(call_id, method, args))
+        future.add_done_callback(lambda _: self._forget_call(call_id))
+        try:
+            self._send(_core.encode_utility_call(call_id, method, args))
+        except BaseException:
+            future.cancel()
+            raise
         return future
+
+    def _forget_call(self, call_id: int) -> None:
+        with self._lock:
+            self._calls.pop(call_id, None)
+
+    @property
+    def num_pending_calls(self) -> int:
+        """Utility calls waiting for their result."""
+        return len(self._calls)
 
     def send_raw(self, frame: bytes) -> None:
         """Send a frame as is (for tests of the core's robustness)."""
         self._send(frame)
 
     def _send(self, frame: bytes) -> None:
-        with self._lock:
-            if self.dead is not None:
-                raise self.dead
-            if self._closing:
-                raise EngineDeadError("the engine has been shut down")
-            self._input.send(frame, copy=False)
+        """Send now if the socket takes it, else queue it behind the backlog."""
+        if self.dead is not None:
+            raise self.dead
+        if self._closing:
+            raise EngineDeadError("the engine has been shut down")
+        with self._send_lock:
+            if not self._backlog:
+                try:
+                    self._input.send(frame, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            self._backlog.append(frame)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_loop, name="core-sender", daemon=True
+                )
+                self._sender.start()
+            self._send_lock.notify()
+
+    def _send_loop(self) -> None:
+        """Sender thread: deliver the backlog in order while the core lets it."""
+        with self._send_lock:
+            while not self._closing and self.dead is None:
+                if not self._backlog:
+                    self._send_lock.wait()
+                    continue
+                try:
+                    self._input.send(self._backlog[0], flags=zmq.NOBLOCK, copy=False)
+                    self._backlog.popleft()
+                except zmq.Again:  # still full: let callers in, then try again
+                    self._send_lock.wait(_SEND_RETRY_S)
+                except zmq.ZMQError:
+                    return
+
+    @property
+    def num_backlogged(self) -> int:
+        """Frames waiting for the core to read its input."""
+        return len(self._backlog)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -151,43 +211,60 @@ class MPClient:
         sock = self._output
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        while not self._closing:
-            if not poller.poll(_POLL_MS):
-                continue
-            try:
-                frame = sock.recv(copy=False)
-                msg_type, payload = _core.decode_message(frame.buffer)
-            except zmq.ZMQError:
-                return
-            except _core.WireError as exc:
-                logger.error("dropped a malformed frame from the engine core: %s", exc)
-                continue
-            if msg_type == _core.MSG_OUTPUT_BATCH:
+        try:
+            while not self._closing:
+                if not poller.poll(_POLL_MS):
+                    continue
                 try:
+                    frame = sock.recv(copy=False)
+                    msg_type, payload = _core.decode_message(frame.buffer)
+                except zmq.ZMQError:
+                    return
+                except _core.WireError as exc:
+                    logger.error("dropped a malformed frame from the engine core: %s", exc)
+                    continue
+                if msg_type == _core.MSG_OUTPUT_BATCH:
                     self._on_output(payload)
-                except Exception:  # the owner's bug must not kill the receiver
-                    logger.exception("output callback failed")
-            elif msg_type == _core.MSG_UTILITY_RESULT:
-                call_id, ok, value = payload
-                with self._lock:
-                    future = self._calls.pop(call_id, None)
-                if future is not None and not future.done():
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(RuntimeError(f"engine core utility call: {value}"))
-            elif msg_type == _core.MSG_ENGINE_ERROR:
-                self._last_error = str(payload)
-                logger.error("engine core reported a fatal error: %s", payload)
-                if self.process is None:
+                elif msg_type == _core.MSG_UTILITY_RESULT:
+                    self._complete_call(*payload)
+                elif msg_type == _core.MSG_ENGINE_ERROR:
+                    self._last_error = str(payload)
+                    logger.error("engine core reported a fatal error: %s", payload)
                     self._die(f"the engine core failed: {payload}")
+        except BaseException as exc:  # a lost batch would hang its requests: fail all
+            logger.exception("the front end's receiver failed")
+            self._die(f"the front end's receiver failed: {type(exc).__name__}: {exc}")
 
-    def _watch_process(self) -> None:
-        assert self.process is not None
-        code = self.process.wait()
+    def _complete_call(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._calls.pop(call_id, None)
+        if future is None:  # timed out and forgotten
+            return
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(RuntimeError(f"engine core utility call: {value}"))
+
+    def _watch_core(self) -> None:
+        """Monitor thread: the core's process (or thread) ending while not asked
+        to is its death, reported with its ENGINE_ERROR text when that came."""
+        if self.process is not None:
+            code = self.process.wait()
+            what = f"the engine core process exited unexpectedly with code {code}"
+            reported = code > 0  # it failed and said why; a signal leaves no word
+        else:
+            assert self._core_thread is not None
+            self._core_thread.join()
+            what, reported = "the engine core thread ended unexpectedly", True
+        deadline = time.monotonic() + _ERROR_FRAME_WAIT_S
+        while reported and self.dead is None and not self._closing:
+            if time.monotonic() > deadline:  # its ENGINE_ERROR frame may still be in flight
+                break
+            time.sleep(_POLL_MS / 1000 / 4)
         if not self._closing:
             detail = f": {self._last_error}" if self._last_error else ""
-            self._die(f"the engine core process exited unexpectedly with code {code}{detail}")
+            self._die(what + detail)
 
     def _die(self, message: str) -> None:
         error = EngineDeadError(message)
@@ -211,7 +288,8 @@ class MPClient:
             return
         self._closing = True
         try:
-            with self._lock:
+            with self._send_lock:
+                self._send_lock.notify_all()  # the sender thread leaves
                 if self.dead is None:
                     self._input.send(_core.encode_shutdown(), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -232,6 +310,10 @@ class MPClient:
             self.process.stop(timeout=_SHUTDOWN_TIMEOUT_S)
         if self._core_thread is not None:
             self._core_thread.join(timeout=_SHUTDOWN_TIMEOUT_S)
+        with self._send_lock:
+            self._send_lock.notify_all()
+        if self._sender is not None:
+            self._sender.join(timeout=1.0)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self.ctx.term()
@@ -244,9 +326,9 @@ def _run_core_in_thread(args: EngineArgs, input_addr: str, output_addr: str, ctx
     proc = None
     try:
         proc = EngineCoreProc(args, input_addr, output_addr, context=ctx)
-        proc.run_busy_loop()
-    except Exception:  # start-up failures were reported through the socket
-        logger.exception("engine core thread failed")
+        proc.run_busy_loop()  # reports its failures (and its threads') through the socket
+    except BaseException:  # start-up: reported through the socket by the constructor
+        logger.exception("engine core thread failed to start")
     finally:
         if proc is not None:
             proc.close()

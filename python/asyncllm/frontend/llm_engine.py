@@ -22,6 +22,8 @@ from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 _DEAD_POLL_S = 1.0
+_MAX_PENDING_BATCHES = 64  # bounded: a caller that stops stepping makes the core wait
+_PUT_POLL_S = 0.1
 
 
 class LLMEngine:
@@ -31,8 +33,10 @@ class LLMEngine:
         self.client: MPClient | None = None
         self.core: EngineCore | None = None
         if multiprocess:
-            self._batches: queue.Queue[_core.OutputBatch | EngineDeadError] = queue.Queue()
-            self.client = MPClient(args, self._batches.put, self._batches.put)
+            self._batches: queue.Queue[_core.OutputBatch | EngineDeadError] = queue.Queue(
+                _MAX_PENDING_BATCHES
+            )
+            self.client = MPClient(args, self._on_output, self._on_dead)
             ready = self.client.ready
             self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         else:
@@ -103,13 +107,39 @@ class LLMEngine:
         return str(next(self._counter))
 
     def call_utility(self, method: str, args: object = None, timeout: float = 30.0) -> object:
+        """Raises TimeoutError after `timeout` seconds (the call is then forgotten)."""
         if self.client is None:
             raise RuntimeError("utility calls need the multiprocess engine")
-        return self.client.call_utility(method, args).result(timeout)
+        future = self.client.call_utility(method, args)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def shutdown(self) -> None:
         if self.client is not None:
             self.client.shutdown()
+
+    def _on_output(self, batch: _core.OutputBatch) -> None:
+        """Receiver thread: wait while the queue is full (back-pressure on the core)."""
+        while True:
+            client = getattr(self, "client", None)
+            if client is not None and not client.is_alive:
+                return  # shut down or dead: nobody will step for it
+            try:
+                self._batches.put(batch, timeout=_PUT_POLL_S)
+                return
+            except queue.Full:
+                pass
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        """Monitor thread: wake a caller waiting for a batch (if the queue is full,
+        the caller finds `client.dead` once it has drained it)."""
+        try:
+            self._batches.put_nowait(error)
+        except queue.Full:
+            pass
 
     def _next_batch(self) -> _core.OutputBatch:
         assert self.client is not None

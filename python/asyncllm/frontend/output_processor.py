@@ -13,9 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncllm._core import Detokenizer, Logprobs, OutputBatch
+from asyncllm.errors import AsyncLLMError
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class OutputProcessingError(AsyncLLMError, RuntimeError):
+    """The front end could not turn this request's outputs into a RequestOutput
+    (a bug, or a detokenizer panic); the request failed, the engine serves on."""
 
 
 @dataclass

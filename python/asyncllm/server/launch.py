@@ -1,7 +1,13 @@
 """Running the app under uvicorn (uvloop and httptools when installed), with a
 graceful shutdown: on SIGINT/SIGTERM stop accepting, let in-flight requests finish
 for `shutdown_timeout` seconds, then abort what is left (their streams end with
-finish_reason "abort"), stop the engine core, and exit 1 if the core had died."""
+finish_reason "abort"), stop the engine core, and exit 0.
+
+When the engine dies (its core, or the front end's output handler), the server
+does not linger answering 503: in-flight requests fail at once (503, or an error
+event in their stream), and once they have been answered the server stops and
+exits 1, so that a supervisor restarts it. The engine core ignores SIGTERM and
+SIGINT, so a signal to the whole process group drains like one to the server."""
 
 from __future__ import annotations
 
@@ -27,15 +33,28 @@ class _Server(uvicorn.Server):
     """uvicorn's server with a grace period that ends in aborts, and no re-raised
     signal at exit (the process exits with the engine's status instead)."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: object) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit: object, engine: AsyncLLM) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._engine = engine
         self._loop: asyncio.AbstractEventLoop | None = None
         self.signalled = False
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = asyncio.ensure_future(self._exit_when_engine_dies())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _exit_when_engine_dies(self) -> None:
+        """Stop serving once the engine is dead. uvicorn's shutdown then closes the
+        listener and lets every in-flight response (already failed) finish."""
+        error = await self._engine.wait_until_dead()
+        logger.error("the engine died (%s); stopping the server", error)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit
@@ -83,7 +102,7 @@ def run_server(
             task = asyncio.ensure_future(drain())
             tasks.add(task)
 
-        server = _Server(uv_config, on_exit)
+        server = _Server(uv_config, on_exit, engine)
         server.run()
         for task in tasks:
             task.cancel()
