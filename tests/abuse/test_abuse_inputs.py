@@ -85,8 +85,8 @@ def test_the_openai_client_sees_typed_errors(server):
     assert too_long.value.status_code == 413 and too_long.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(
-            model=SERVED_MODEL, prompt="x", stop_token_ids=[8192], stream=True
-        )  # type: ignore[call-overload]
+            model=SERVED_MODEL, prompt="x", stream=True, extra_body={"stop_token_ids": [8192]}
+        )
     assert bad.value.body["param"] == "stop_token_ids"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(
