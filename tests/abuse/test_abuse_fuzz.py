@@ -1,5 +1,5 @@
 """Property-based fuzz of request bodies for /v1/completions and
-/v1/chat/completions against a real `asyncllm serve` (asyncllm-tiny with a 64-token
+/v1/chat/completions against a real `asyncllm serve` (asyncllm-tiny with a 32-token
 context and small limits, so that any request it accepts is quick). Every field
 gets either a plausible value or a JSON value of any shape and type; some bodies
 are not objects or not JSON at all. Whatever comes: never a 5xx, never a hang
@@ -25,13 +25,13 @@ from abuse_http import Reply, request, wait_idle
 from server_process import Server
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 FUZZ_LIMITS = {
-    "max_model_len": 64,
+    "max_model_len": 32,
     "max_n": 2,
     "max_prompts_per_request": 3,
     "max_prompt_chars": 2000,
@@ -41,7 +41,7 @@ FUZZ_LIMITS = {
     "max_concurrent_requests": 8,
 }
 REQUEST_TIMEOUT_S = 60.0  # a request unanswered for this long hangs
-EXAMPLES = 100  # per endpoint: about 20 s each on a loaded 2-core machine
+EXAMPLES = 80  # per endpoint
 _SEED = os.environ.get("ABUSE_FUZZ_SEED")
 
 # -- strategies ---------------------------------------------------------------------------
@@ -61,36 +61,44 @@ json_values = st.recursive(
     ),
     max_leaves=12,
 )
-token_ids = st.integers(min_value=-2, max_value=VOCAB + 2)
+# plausible values lean on the edges: where off-by-one and overflow bugs live
+token_ids = st.integers(min_value=0, max_value=VOCAB - 1) | st.sampled_from(
+    [-1, VOCAB, VOCAB + 1, 2**63, 2**64]
+)
 small_text = st.text(max_size=60)
+counts = st.integers(min_value=-1, max_value=8) | st.sampled_from([33, 2**31])
 
 
 def either(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     """Mostly a plausible value (valid or just out of range), sometimes anything."""
-    return st.one_of(plausible, plausible, plausible, json_values)
+    return st.one_of(plausible, plausible, plausible, plausible, json_values)
+
+
+def floats(low: float, high: float) -> st.SearchStrategy[float]:
+    return st.floats(min_value=low, max_value=high) | st.sampled_from([0.0, 1.0, 1e-9, -1e-9])
 
 
 SAMPLING = {
     "model": st.sampled_from([SERVED_MODEL, SERVED_MODEL, "other-model", ""]),
-    "max_tokens": st.integers(min_value=-1, max_value=70) | st.none(),
+    "max_tokens": counts | st.none() | st.just(2**63),
     "n": st.integers(min_value=-1, max_value=3),
-    "temperature": st.floats(min_value=-0.5, max_value=3.0) | st.just(0),
-    "top_p": st.floats(min_value=-0.5, max_value=1.5),
+    "temperature": floats(-0.5, 3.0),
+    "top_p": floats(-0.5, 1.5),
     "top_k": st.integers(min_value=-2, max_value=VOCAB + 1),
-    "min_p": st.floats(min_value=-0.5, max_value=1.5),
-    "seed": st.integers(min_value=-1, max_value=2**64) | st.sampled_from([2**63, 2**64 - 1]),
+    "min_p": floats(-0.5, 1.5),
+    "seed": st.integers(min_value=0, max_value=2**64 - 1) | st.sampled_from([-1, 2**64 - 1, 2**64]),
     "stop": small_text | st.lists(st.text(max_size=40), max_size=6),
     "stop_token_ids": st.lists(token_ids, max_size=6),
-    "presence_penalty": st.floats(min_value=-3, max_value=3),
-    "frequency_penalty": st.floats(min_value=-3, max_value=3),
-    "repetition_penalty": st.floats(min_value=-1, max_value=3),
+    "presence_penalty": floats(-3, 3),
+    "frequency_penalty": floats(-3, 3),
+    "repetition_penalty": floats(-1, 3),
     "ignore_eos": st.booleans(),
-    "min_tokens": st.integers(min_value=-1, max_value=70),
+    "min_tokens": counts,
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "logit_bias": st.dictionaries(st.text(max_size=6), st.floats(-100, 100), max_size=3),
+    "logit_bias": st.dictionaries(st.text(max_size=6), floats(-100, 100), max_size=3),
     "user": small_text,
 }
 COMPLETION = {
@@ -113,7 +121,7 @@ message = st.fixed_dictionaries(
 )
 CHAT = {
     "messages": st.lists(message, max_size=8),
-    "max_completion_tokens": st.integers(min_value=-1, max_value=70),
+    "max_completion_tokens": counts,
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(min_value=-1, max_value=25),
     "add_generation_prompt": st.booleans(),
@@ -125,33 +133,50 @@ CHAT = {
 }
 
 
+VALID = {
+    "prompt": small_text | st.lists(st.integers(min_value=0, max_value=VOCAB - 1), min_size=1),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]), "content": small_text}
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+}
+
+
 def bodies(required: str, fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[bytes]:
-    """Request bodies: an object with some of `fields` (the `required` one most of
-    the time) and sometimes unknown keys, or now and then any JSON or any bytes."""
-    strategies = {name: either(s) for name, s in fields.items()}
-    objects = st.fixed_dictionaries(
-        {}, optional={k: v for k, v in strategies.items() if k != required}
-    ).flatmap(
-        lambda body: (
-            st.fixed_dictionaries(
-                {**{k: st.just(v) for k, v in body.items()}, required: strategies[required]}
-            )
-            | st.just(body)
-        )
-    )
-    with_extra = st.tuples(objects, st.dictionaries(st.text(max_size=8), json_values, max_size=2))
-    as_json = with_extra.map(lambda pair: json.dumps({**pair[1], **pair[0]}).encode())
-    return st.one_of(
-        as_json, as_json, as_json, as_json, as_json, as_json, as_json, as_json,
-        json_values.map(lambda v: json.dumps(v).encode()),
-        st.binary(max_size=200),
-    )  # fmt: skip
+    """Request bodies: mostly an object with the `required` field and a few others
+    (few, so that many bodies are valid and reach the engine), now and then an
+    unknown key; sometimes any JSON value or any bytes."""
+    names = sorted(set(fields) - {required})
+
+    @st.composite
+    def draw_body(draw: st.DrawFn) -> bytes:
+        kind = draw(st.integers(min_value=0, max_value=19))
+        if kind == 0:
+            return draw(st.binary(max_size=200))
+        if kind == 1:
+            return json.dumps(draw(json_values)).encode()
+        body: dict[str, Any] = {}
+        if kind == 2:
+            body.update(draw(st.dictionaries(st.text(max_size=8), json_values, max_size=2)))
+        if kind >= 12:  # a valid prompt or conversation, so the other fields matter
+            body[required] = draw(VALID[required])
+        elif kind != 3:
+            body[required] = draw(either(fields[required]))
+        for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
+            body[name] = draw(either(fields[name]))
+        return json.dumps(body).encode()
+
+    return draw_body()
 
 
 # -- checks -------------------------------------------------------------------------------
 
 
 def check(reply: Reply, body: bytes) -> None:
+    event(f"status {reply.status}{' streamed' if reply.events else ''}")
     shown = body[:300]
     assert reply.status != 0, f"no answer: {reply.body!r} to {shown!r}"
     assert reply.status < 500, f"{reply.status} {reply.body[:300]!r} to {shown!r}"
@@ -200,22 +225,16 @@ def server(tmp_path_factory):
     assert srv.stop() == 0, log.read_text()[-3000:]
 
 
-def test_fuzz_completions(server):
-    @fuzz_settings
-    @given(bodies("prompt", {**SAMPLING, **COMPLETION}))
-    def fuzz(body: bytes) -> None:
-        check(post(server.port, "/v1/completions", body), body)
-
-    fuzz()
+@fuzz_settings
+@given(body=bodies("prompt", {**SAMPLING, **COMPLETION}))
+def test_fuzz_completions(server, body: bytes):
+    check(post(server.port, "/v1/completions", body), body)
 
 
-def test_fuzz_chat(server):
-    @fuzz_settings
-    @given(bodies("messages", {**SAMPLING, **CHAT}))
-    def fuzz(body: bytes) -> None:
-        check(post(server.port, "/v1/chat/completions", body), body)
-
-    fuzz()
+@fuzz_settings
+@given(body=bodies("messages", {**SAMPLING, **CHAT}))
+def test_fuzz_chat(server, body: bytes):
+    check(post(server.port, "/v1/chat/completions", body), body)
 
 
 def test_healthy_after_the_fuzz(server):
