@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from abuse_http import HOST, Reply, iter_body, read_head, request, request_head
+from abuse_http import HOST, Reply, iter_body, read_head, request_head, sse_payloads
 
 # asyncllm-tiny's vocabulary and context
 VOCAB = 8192
@@ -213,31 +215,67 @@ def all_cases(limits: dict[str, int]) -> list[Case]:
 MAX_MESSAGE_CHARS = 1000
 
 
-async def send_case(port: int, case: Case, timeout: float = 30.0) -> Reply:
-    """Sends one case as it is meant to arrive (a body announced but never sent
-    stays unsent: the server must answer from the headers alone)."""
-    headers = dict(case.headers)
+def _exchange(port: int, head: bytes, body: bytes, timeout: float) -> tuple[bytes, float]:
+    """One request on a blocking socket: the body sent from a second thread while
+    the answer is read, everything the server sent until it closed, and the time
+    to its first byte. A server that answers early (413 from the headers) and
+    closes is heard even when the rest of the body then meets a reset, which
+    would make an asyncio stream drop the answer it already holds."""
+    sock = socket.create_connection((HOST, port), timeout=timeout)
+    start = time.perf_counter()
 
-    async def go() -> Reply:
-        if case.send_body:
-            return await request(port, case.method, case.path, case.body, headers)
-        start = time.perf_counter()
-        reader, writer = await asyncio.open_connection(HOST, port)
+    def pump() -> None:
         try:
-            writer.write(request_head(case.method, case.path, None, headers))
-            await writer.drain()
-            status, resp_headers = await read_head(reader)
-            body = b"".join([piece async for piece in iter_body(reader, resp_headers)])
-            return Reply(status, resp_headers, body, time.perf_counter() - start)
-        finally:
-            writer.close()
+            sock.sendall(head)
+            view = memoryview(body)
+            for i in range(0, len(body), 1 << 16):
+                sock.sendall(view[i : i + (1 << 16)])
+        except OSError:
+            pass  # the server answered and closed before taking it all
 
+    sender = threading.Thread(target=pump, daemon=True)
+    sender.start()
+    got = bytearray()
+    first = 0.0
     try:
-        return await asyncio.wait_for(go(), timeout)
+        while data := sock.recv(1 << 20):
+            first = first or time.perf_counter() - start
+            got += data
+    except ConnectionResetError:
+        pass  # after the answer, when the server closed on unread body bytes
+    finally:
+        sock.close()
+        sender.join(timeout)
+    return bytes(got), first
+
+
+async def send_case(port: int, case: Case, timeout: float = 30.0) -> Reply:
+    """Sends one case as a client would (a body announced but never sent stays
+    unsent: the server must answer from the headers alone)."""
+    headers = dict(case.headers)
+    length = len(case.body) if case.send_body and "Content-Length" not in headers else None
+    head = request_head(case.method, case.path, length, headers)
+    body = case.body if case.send_body else b""
+    try:
+        raw, first = await asyncio.to_thread(_exchange, port, head, body, timeout)
     except TimeoutError:
         return Reply(0, {}, f"no answer within {timeout} s".encode(), timeout)
-    except (ConnectionError, asyncio.IncompleteReadError) as exc:
+    except OSError as exc:
         return Reply(0, {}, f"connection failed: {exc!r}".encode())
+    if not raw:
+        return Reply(0, {}, b"closed without an answer", first)
+    reader = asyncio.StreamReader()
+    reader.feed_data(raw)
+    reader.feed_eof()
+    try:
+        status, resp_headers = await read_head(reader)
+        whole = b"".join([piece async for piece in iter_body(reader, resp_headers)])
+    except (ValueError, asyncio.IncompleteReadError) as exc:
+        return Reply(0, {}, f"not an HTTP response ({exc!r}): {raw[:200]!r}".encode(), first)
+    events = []
+    if resp_headers.get("content-type", "").startswith("text/event-stream"):
+        events = sse_payloads(bytearray(whole))
+    return Reply(status, resp_headers, whole, first, events)
 
 
 def problems(case: Case, reply: Reply) -> list[str]:

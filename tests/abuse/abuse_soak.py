@@ -155,6 +155,7 @@ async def soak(
     result = SoakResult(requests=num_requests)
     limit = asyncio.Semaphore(concurrency)
     done = 0
+    warmup = min(WARMUP_REQUESTS, num_requests // 2)  # a short run (--quick) warms less
     warm = asyncio.Event()
 
     async def run(request_rng: random.Random, fate: str) -> None:
@@ -163,7 +164,7 @@ async def soak(
             result.fates[fate] += 1
             await _one(port, request_rng, fate, result)
         done += 1
-        if done == WARMUP_REQUESTS:
+        if done == warmup:
             warm.set()
 
     start = time.perf_counter()
