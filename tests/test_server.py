@@ -341,6 +341,7 @@ def test_dead_engine_answers_503_and_exits_1(model_dir, tmp_path):
         assert http_status(srv.url + "/health") == 503
         status, body = post(srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
         assert status == 503 and body["error"]["code"] == "engine_dead"
+        assert body["error"]["message"] == "the engine is not running"  # no core internals
     finally:
         assert srv.stop() == 1
 

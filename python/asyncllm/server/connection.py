@@ -24,7 +24,17 @@ from asyncllm.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
-_LOG_EVERY_S = 10.0  # at most one "over the connection limit" line per this
+_LOG_EVERY_S = 10.0  # at most one line per kind of cut-off client per this
+_last_logged: dict[str, float] = {}
+
+
+def log_cut_off(kind: str, message: str, *args: object) -> None:
+    """Log that a client was cut off, at most once per kind every 10 s: a flood
+    of slow clients must not become a flood of log lines."""
+    now = time.monotonic()
+    if now - _last_logged.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+        _last_logged[kind] = now
+        logger.info(message + " (further ones not logged for %gs)", *args, _LOG_EVERY_S)
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:
@@ -40,7 +50,6 @@ class _LimitsMixin:
     relies on their shared attributes: loop, transport, cycle, connections."""
 
     limits: ServerConfig
-    _last_log = 0.0
     # uvicorn's protocol provides these
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
@@ -54,10 +63,7 @@ class _LimitsMixin:
         self._stall_timer: asyncio.TimerHandle | None = None
         limit = self.limits.max_connections
         if len(self.connections) > limit:
-            now = time.monotonic()
-            if now - _LimitsMixin._last_log > _LOG_EVERY_S:
-                _LimitsMixin._last_log = now
-                logger.warning("over the limit of %d open connections: refusing more", limit)
+            log_cut_off("connections", "over the limit of %d open connections: refusing", limit)
             message = f"this server accepts at most {limit} connections (--max-connections)"
             transport.write(_raw_response(503, "Service Unavailable", message))
             transport.close()
@@ -65,6 +71,8 @@ class _LimitsMixin:
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():  # cut off already: parse nothing more
+            return
         cycle = self.cycle
         waiting = cycle is None or cycle.response_complete  # for a request's headers
         if waiting and self._header_timer is None:
@@ -117,8 +125,10 @@ class _LimitsMixin:
 
     def _on_header_timeout(self) -> None:
         self._header_timer = None
-        logger.info(
-            "a client did not send its headers within %gs: closing", self.limits.header_timeout
+        log_cut_off(
+            "headers",
+            "a client did not send its headers within %gs: closed",
+            self.limits.header_timeout,
         )
         self._close_with(
             408,
@@ -129,8 +139,9 @@ class _LimitsMixin:
 
     def _on_stall(self) -> None:
         self._stall_timer = None
-        logger.info(
-            "a client has not read its response for %gs: closing the connection",
+        log_cut_off(
+            "stall",
+            "a client has not read its response for %gs: connection closed",
             self.limits.stream_idle_timeout,
         )
         self.transport.abort()

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asyncllm.server.config import ServerConfig
+from asyncllm.server.connection import log_cut_off
 from asyncllm.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ class GatewayMiddleware:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            logger.info("request body not received within %ss: closing", self.body_timeout)
+            log_cut_off(
+                "body", "a request body did not arrive within %gs: closed", self.body_timeout
+            )
             raise APIError(
                 408,
                 f"the request body did not arrive within {self.body_timeout:g} s (--body-timeout)",

@@ -251,4 +251,3 @@ def parse_body(model: type[M], body: bytes) -> M:
         if kind == "json_invalid":
             raise bad_request(f"the request body is not valid JSON: {first['msg']}") from None
         raise bad_request(f"{param or 'body'}: {first['msg']}", param) from None
-

@@ -201,12 +201,12 @@ class CompletionServing(ServingBase):
                 if pending_echo[i]:
                     pending_echo[i] = False
                     offsets[i] = len(p.echo)
-                    if want_lp:
-                        lp_dict = lps.prompt(p.ids, p.pieces, out.prompt_logprobs)
+                    if want_lp:  # the prompt's rows: large, so built off the loop
+                        lp_dict = await off_loop(lps.prompt, p.ids, p.pieces, out.prompt_logprobs)
                         new = lps.sampled(c, offsets[i], decoders[i])
                         offsets[i] = lps.end_offset(new, offsets[i])
                         lps.extend(lp_dict, new)
-                        lp = json.dumps(lp_dict).encode()
+                        lp = await off_loop(_dumps, lp_dict)
                     text = p.echo + text
                 elif want_lp and c.token_ids:
                     new = lps.sampled(c, offsets[i], decoders[i])
@@ -284,6 +284,10 @@ class CompletionServing(ServingBase):
         return json.dumps(head, separators=(",", ":"))[:-1].encode() + (
             b',"choices":[' + b",".join(choices) + b"]}"
         )
+
+
+def _dumps(data: Any) -> bytes:
+    return json.dumps(data).encode()
 
 
 def _dropped(c: CompletionOutput) -> CompletionOutput:
