@@ -3,6 +3,7 @@ bad-input class, how much a healthy greedy stream running beside them is
 delayed, and a soak's counts.
 
     python benches/bench_abuse.py [--passes 3] [--tokens 300] [--soak 2000] [--quick]
+    python benches/bench_abuse.py --isolate --tokens 200   # each attack alone beside a stream
 
 1. Issue 10's attacks, as its report measured them, against a server with the
    default limits (a 50 MB prompt, 10,000 prompts, n = 10,000, 5,000 stop
@@ -160,6 +161,22 @@ async def time_classes(port: int, cases: list[Case], passes: int, tokens: int) -
     }
 
 
+async def isolate_classes(port: int, cases: list[Case], tokens: int) -> None:
+    """Each class alone beside its own healthy stream: which one delays it."""
+    alone = max(max(r.gaps()) for r in [await run_healthy(port, tokens) for _ in range(2)])
+    print(f"\nhealthy stream alone: largest gap {1000 * alone:.0f} ms")
+    print(f"{'class':52s} {'status':>6s} {'answer s':>9s} {'gap ms':>7s} {'ratio':>6s}")
+    for case in cases:
+        beside = asyncio.ensure_future(run_healthy(port, tokens))
+        await asyncio.sleep(1.0)  # the stream is decoding when the class arrives
+        reply = await send_case(port, case, timeout=120)
+        gap = max((await beside).gaps())
+        print(
+            f"{case.name:52s} {reply.status:6d} {reply.elapsed:9.3f} {1000 * gap:7.0f} "
+            f"{gap / alone:6.2f}"
+        )
+
+
 def serve(tmp: Path, name: str, *flags: str) -> Server:
     return Server(tmp / f"{name}.log", *flags)
 
@@ -172,8 +189,19 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="soak concurrency (64)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--quick", action="store_true", help="1 pass, 32 tokens, a 100-request soak")
+    ap.add_argument(
+        "--isolate", action="store_true", help="only: each issue attack alone beside a stream"
+    )
     a = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    if a.isolate:
+        with tempfile.TemporaryDirectory() as d:
+            srv = serve(Path(d), "isolate")
+            try:
+                asyncio.run(isolate_classes(srv.port, issue_attacks(), a.tokens))
+            finally:
+                srv.stop()
+        return
     if a.quick:
         a.passes, a.tokens, a.soak, a.concurrency = 1, 32, 100, 16
     result: dict[str, object] = {}
