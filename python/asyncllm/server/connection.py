@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from asyncllm.server.config import ServerConfig
+from asyncllm.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,11 @@ def log_cut_off(kind: str, message: str, *args: object) -> None:
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:
-    body = message.encode()
+    """A whole response written below the app (no request was parsed), in the
+    same OpenAI error shape the app answers with."""
+    body = APIError(status, message).body()
     return (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     ).encode() + body
 
