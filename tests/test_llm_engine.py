@@ -275,3 +275,74 @@ def test_stop_string_ends_output_and_the_core_request(llama_dir, include):
     assert len(out.token_ids) < len(full.token_ids)
     assert stop in llm.get_tokenizer().decode(out.token_ids)
     assert_no_leaks(llm)
+
+
+def spy_preemptions(llm: LLM) -> list[tuple[int, int]]:
+    """Record (computed tokens, prompt tokens) of each request when it is preempted."""
+    sched = llm.engine.core.scheduler
+    seen: list[tuple[int, int]] = []
+    original = sched._preempt
+
+    def preempt(request):
+        seen.append((request.num_computed_tokens, request.num_prompt_tokens))
+        original(request)
+
+    sched._preempt = preempt  # type: ignore[method-assign]
+    return seen
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(llama_dir):
+    # Chunks of 8 tokens and a cache of 6 blocks of 8: the first request's decode
+    # outgrows the cache while the second is still in its prompt, which is then
+    # preempted and recomputed from its start.
+    prompts = prompts_for(1000, (30, 30), seed=5)
+    params = greedy(12, prompt_logprobs=2)
+    small = LLM(
+        str(llama_dir),
+        multiprocess=False,
+        dtype="float32",
+        num_kv_blocks=6,
+        block_size=8,
+        max_model_len=48,
+        max_num_batched_tokens=8,
+    )
+    preempted = spy_preemptions(small)
+    got = small.generate(prompts, params, use_tqdm=False)
+    assert any(done < prompt for done, prompt in preempted), preempted
+    assert_no_leaks(small)
+
+    roomy = LLM(str(llama_dir), multiprocess=False, dtype="float32", max_num_batched_tokens=8)
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    for g, w, prompt in zip(got, want, prompts, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.prompt_logprobs) == len(prompt)
+        assert g.prompt_logprobs[0] is None
+        for token, g_row, w_row in zip(
+            prompt[1:], g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True
+        ):
+            assert list(g_row) == list(w_row) and token in g_row
+            for tid, lp in g_row.items():
+                assert lp.rank == w_row[tid].rank
+                assert lp.logprob == pytest.approx(w_row[tid].logprob, abs=1e-4)
+
+
+def test_prompt_logprobs_are_the_same_in_slices(llama_dir, monkeypatch):
+    # A chunk's logits are computed a few rows at a time; the rows must not depend
+    # on the slicing.
+    from asyncllm.worker import prompt_logprobs
+
+    prompt = prompts_for(1000, (40,), seed=6)[0]
+    params = greedy(2, prompt_logprobs=3)
+    whole = LLM(str(llama_dir), multiprocess=False, dtype="float32")
+    want = whole.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    vocab = whole.engine.core.vocab_size
+    monkeypatch.setattr(prompt_logprobs, "MAX_LOGIT_ELEMENTS", 3 * vocab)
+    sliced = LLM(str(llama_dir), multiprocess=False, dtype="float32")
+    assert sliced.engine.core.runner._prompt_logprobs.slice_rows == 3
+    got = sliced.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert got[0] is None and want[0] is None
+    for g_row, w_row in zip(got[1:], want[1:], strict=True):
+        assert list(g_row) == list(w_row)
+        for tid, lp in g_row.items():
+            assert lp.rank == w_row[tid].rank
+            assert lp.logprob == pytest.approx(w_row[tid].logprob, abs=1e-5)

@@ -35,6 +35,7 @@ class PagedDriver:
         self.free = list(np.random.default_rng(seed).permutation(num_blocks))
         self.tables: dict[int, list[int]] = {}
         self.num_cached: dict[int, int] = {}
+        self.num_decode_groups: list[int] = []  # per step: the torch path's decode groups
 
     def step(self, tokens: list[list[int]], work: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Run one step: `work` is (sequence, number of new tokens), decodes first.
@@ -64,6 +65,7 @@ class PagedDriver:
             BLOCK_SIZE,
             CPU,
         )
+        self.num_decode_groups.append(len(meta.decode_groups))
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
@@ -83,14 +85,28 @@ SCHEDULE: list[list[tuple[int, int]]] = [
 ]
 
 
-def _compare_with_transformers(model_dir: Path) -> None:
+# One long sequence decoding beside short ones: the torch path attends to them in
+# separate groups instead of padding the short ones to the long one's length.
+SKEWED: list[list[tuple[int, int]]] = [
+    [(0, 20), (1, 2), (2, 3), (3, 5)],
+    [(1, 1), (2, 1), (3, 1), (0, 20)],  # decodes of 3, 4, 6 tokens + a chunk at context 20
+    [(0, 1), (1, 1), (2, 1), (3, 1)],  # decodes of 41, 4, 5, 7 tokens: 11, 1, 2, 2 blocks
+    [(0, 1), (1, 1), (2, 1), (3, 1)],
+]
+
+
+def _compare_with_transformers(
+    model_dir: Path, schedule: list[list[tuple[int, int]]] = SCHEDULE
+) -> PagedDriver:
     hf_config = load_hf_config(model_dir)
     ours = load_model(model_dir, hf_config, torch.float32, CPU)
     ref = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    num_seqs = 1 + max(seq for step in schedule for seq, _ in step)
     lengths = [
-        sum(n for s, n in (w for step in SCHEDULE for w in step) if s == seq) for seq in range(3)
+        sum(n for s, n in (w for step in schedule for w in step) if s == seq)
+        for seq in range(num_seqs)
     ]
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, hf_config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
@@ -98,14 +114,15 @@ def _compare_with_transformers(model_dir: Path) -> None:
         expected = [ref(torch.tensor([t])).logits[0] for t in tokens]
 
     driver = PagedDriver(ours)
-    done = [0, 0, 0]
-    for work in SCHEDULE:
+    done = [0] * num_seqs
+    for work in schedule:
         for (seq, n), logits in zip(work, driver.step(tokens, work), strict=True):
             torch.testing.assert_close(
                 logits, expected[seq][done[seq] : done[seq] + n], atol=1e-4, rtol=1e-4
             )
             done[seq] += n
     assert done == lengths
+    return driver
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["rust-kernel", "torch-path"])
@@ -192,6 +209,26 @@ def test_missing_tensor(tmp_path: Path) -> None:
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
         load_model(path, load_hf_config(path), torch.float32, CPU)
+
+
+def test_torch_decode_groups_skewed_lengths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "can_use_native_decode", lambda q, kv_cache: False)
+    driver = _compare_with_transformers(make_tiny_model(tmp_path / "m", "llama", "llama-2"), SKEWED)
+    assert max(driver.num_decode_groups) > 1, driver.num_decode_groups
+
+
+@pytest.mark.parametrize(
+    "blocks", [[11, 1, 2, 2], [1] * 7 + [64], [5, 5, 6], [1], [300, 1, 17, 2, 2, 40, 3]]
+)
+def test_decode_groups_bound_the_padding(blocks: list[int]) -> None:
+    num_blocks = np.array(blocks)
+    groups = attention.group_decodes(num_blocks)
+    rows = [np.arange(len(blocks)) if g is None else g for g in groups]
+    assert sorted(np.concatenate(rows).tolist()) == list(range(len(blocks)))
+    padded = sum(len(r) * int(num_blocks[r].max()) for r in rows)
+    assert padded <= 2 * num_blocks.sum()
 
 
 def test_metadata_requires_decodes_first() -> None:

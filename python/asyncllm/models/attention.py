@@ -43,35 +43,52 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes whose keys the torch path gathers and attends to together, padded
+    to the longest of the group (not of the step: one long sequence must not make
+    every short one gather its length)."""
+
+    # [g] int64: the group's positions among the step's decodes; None = all of them,
+    # in order (the usual case: one group).
+    rows: torch.Tensor | None
+    # [g, nb] int64 trimmed to the blocks the group's longest decode reads (padded
+    # with whatever the rows hold past a sequence's blocks, hidden by the mask)
+    block_tables: torch.Tensor
+    max_len: int  # keys gathered per decode: the group's longest seq_len
+    # [g, 1, 1, max_len] bool (True = attend); None when the group's decodes all
+    # have the same length and nothing needs hiding.
+    mask: torch.Tensor | None
+    # Float versions of mask per dtype, made by the first layer that needs one.
+    _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """mask as an additive mask of `dtype` (0 / -inf), which the fused CPU and
+        CUDA kernels take without a per-call conversion; cached across layers."""
+        if self.mask is None:
+            return None
+        mask = self._float_masks.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            mask.masked_fill_(~self.mask, float("-inf"))
+            self._float_masks[dtype] = mask
+        return mask
+
+
+@dataclass
 class AttentionMetadata:
     """What every layer's attention needs for one step; built once per step."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
     num_decodes: int  # the first num_decodes tokens are 1-token queries, one per sequence
     num_tokens: int  # T
-    # Decodes: block tables [num_decodes, nb] int64 trimmed to the blocks the longest
-    # decode reads (padded with block 0, hidden by the mask); None without decodes.
+    # Decodes, for the Rust kernel: block tables [num_decodes, nb] int64 trimmed to the
+    # blocks the longest decode reads, and each decode's seq_len (its bound); None
+    # without decodes.
     decode_block_tables: torch.Tensor | None
-    decode_max_len: int  # keys gathered per decode: the longest decode's seq_len
-    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64 (the Rust kernel's bound)
-    # [num_decodes, 1, 1, decode_max_len] bool (True = attend); None when every decode
-    # has the same length and nothing needs hiding.
-    decode_mask: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
+    # Decodes, for the torch path: groups of similar length (`group_decodes`).
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Float versions of decode_mask per dtype, made by the first layer that needs one.
-    _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def decode_mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """decode_mask as an additive mask of `dtype` (0 / -inf), which the fused CPU
-        and CUDA kernels take without a per-call conversion; cached across layers."""
-        if self.decode_mask is None:
-            return None
-        mask = self._float_masks.get(dtype)
-        if mask is None:
-            mask = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
-            mask.masked_fill_(~self.decode_mask, float("-inf"))
-            self._float_masks[dtype] = mask
-        return mask
 
 
 def build_attention_metadata(
@@ -94,18 +111,28 @@ def build_attention_metadata(
         raise ValueError("sequences with query_len == 1 must come first in the batch")
 
     decode_block_tables = None
-    decode_mask = None
-    decode_max_len = 0
     decode_seq_lens = None
+    decode_groups = []
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
-        decode_max_len = int(dec_lens.max())
-        num_blocks = -(-decode_max_len // block_size)
-        decode_block_tables = _to_device(block_tables[:num_decodes, :num_blocks], device)
+        dec_blocks = -(-dec_lens // block_size)
+        decode_block_tables = _to_device(
+            block_tables[:num_decodes, : int(dec_blocks.max())], device
+        )
         decode_seq_lens = _to_device(dec_lens, device)
-        if int(dec_lens.min()) != decode_max_len:
-            keep = np.arange(decode_max_len)[None, :] < dec_lens[:, None]
-            decode_mask = _to_device(keep[:, None, None, :], device)
+        for rows in group_decodes(dec_blocks):
+            if rows is None:
+                group_table, lens, index = decode_block_tables, dec_lens, None
+            else:
+                lens = dec_lens[rows]
+                group_table = _to_device(block_tables[rows, : int(dec_blocks[rows].max())], device)
+                index = _to_device(rows, device)
+            max_len = int(lens.max())
+            group_mask = None
+            if int(lens.min()) != max_len:
+                keep = np.arange(max_len)[None, :] < lens[:, None]
+                group_mask = _to_device(keep[:, None, None, :], device)
+            decode_groups.append(DecodeGroup(index, group_table, max_len, group_mask))
 
     prefills = []
     starts = np.concatenate([[0], np.cumsum(query_lens)])
@@ -123,11 +150,23 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         num_tokens=int(starts[-1]),
         decode_block_tables=decode_block_tables,
-        decode_max_len=decode_max_len,
         decode_seq_lens=decode_seq_lens,
-        decode_mask=decode_mask,
+        decode_groups=decode_groups,
         prefills=prefills,
     )
+
+
+def group_decodes(num_blocks: np.ndarray) -> list[np.ndarray | None]:
+    """Split decodes (each reading `num_blocks[i]` blocks) into groups whose padded
+    gathers together hold at most twice the blocks the decodes read: one group
+    (None: all, in order) when padding to the longest already does, else groups by
+    power-of-two block count, each padded within a factor of two."""
+    if len(num_blocks) * int(num_blocks.max()) <= 2 * int(num_blocks.sum()):
+        return [None]
+    bucket = np.ceil(np.log2(np.maximum(num_blocks, 1))).astype(np.int64)
+    order = np.argsort(bucket, kind="stable")
+    edges = np.flatnonzero(np.diff(bucket[order])) + 1
+    return list(np.split(order, edges))
 
 
 def _to_device(array: np.ndarray, device: torch.device, dtype: type | None = None) -> torch.Tensor:
@@ -234,23 +273,37 @@ def _native_decode(
 def _torch_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """All decodes in one batched SDPA. The query heads that share a KV head are laid
-    out as that head's query rows ([B, Hkv, group, D]), so grouped-query attention
-    needs neither repeated K/V nor `enable_gqa`; returns [B, Hq * D]."""
+    """All decodes, one batched SDPA per group of similar length; returns [B, Hq * D]."""
+    groups = meta.decode_groups
+    if len(groups) == 1 and groups[0].rows is None:
+        return _torch_decode_group(q, kv_cache, groups[0], scale)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    for group in groups:
+        assert group.rows is not None
+        part = _torch_decode_group(q.index_select(0, group.rows), kv_cache, group, scale)
+        out.index_copy_(0, group.rows, part)
+    return out
+
+
+def _torch_decode_group(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
+    """One group's decodes in one batched SDPA. The query heads that share a KV head
+    are laid out as that head's query rows ([B, Hkv, group, D]), so grouped-query
+    attention needs neither repeated K/V nor `enable_gqa`; returns [B, Hq * D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
-    assert meta.decode_block_tables is not None
-    tables = meta.decode_block_tables
+    tables = group.block_tables
     # One gather for K and V together, into a reused workspace: a fresh multi-MiB
     # tensor per layer costs more in page faults than the copy itself.
     flat = kv_cache.view(2, kv_cache.shape[1], -1)
     out_shape = (2, tables.numel(), flat.shape[2])
     gathered = torch.index_select(flat, 1, tables.view(-1), out=_workspace(out_shape, flat))
-    kv = gathered.view(2, batch, -1, num_kv_heads, head_dim)[:, :, : meta.decode_max_len]
+    kv = gathered.view(2, batch, -1, num_kv_heads, head_dim)[:, :, : group.max_len]
     kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        q, kv[0], kv[1], attn_mask=meta.decode_mask_as(q.dtype), scale=scale
+        q, kv[0], kv[1], attn_mask=group.mask_as(q.dtype), scale=scale
     )
     return out.reshape(batch, num_heads * head_dim)
 

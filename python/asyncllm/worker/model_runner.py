@@ -48,7 +48,7 @@ class ModelRunner:
         # Seeded requests keep their generator across preemption, so a resumed
         # request continues its random stream instead of restarting it.
         self._generators: dict[int, torch.Generator] = {}
-        self._prompt_logprobs = PromptLogprobsCollector()
+        self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -54,10 +54,7 @@ class Sampler:
         self.generator = generator  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = None
-        if md.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = raw = logits.float()  # `raw` stays unmodified: stages below copy
         if md.min_tokens_rows or md.penalties is not None:
             logits = logits.clone()
             for row, ids in md.min_tokens_rows:
@@ -70,9 +67,8 @@ class Sampler:
             assert md.greedy_mask is not None
             sampled = torch.where(md.greedy_mask, sampled, random)
         out = SamplerOutput(sampled=sampled)
-        if raw_logprobs is not None:
-            assert md.max_num_logprobs is not None
-            _gather_logprobs(out, raw_logprobs, sampled, md.max_num_logprobs)
+        if md.max_num_logprobs is not None:
+            _gather_logprobs(out, raw, sampled, md.max_num_logprobs)
         return out
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -134,14 +130,19 @@ def apply_top_k_top_p(
 
 
 def _gather_logprobs(
-    out: SamplerOutput, logprobs: torch.Tensor, sampled: torch.Tensor, num: int
+    out: SamplerOutput, logits: torch.Tensor, sampled: torch.Tensor, num: int
 ) -> None:
-    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1))
-    out.logprob_ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    """Logprobs of the raw distribution as logit - logsumexp: no log-softmax copy of
+    the [n, vocab] logits is made. Ranks and the top `num` compare logits, which
+    order tokens as their logprobs do."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    sampled_logit = logits.gather(1, sampled.unsqueeze(1))
+    out.logprob_ranks = (logits > sampled_logit).sum(dim=-1) + 1
+    sampled_lp = sampled_logit - lse
     if num > 0:
-        top_lp, top_ids = logprobs.topk(num, dim=-1)
+        top_logit, top_ids = logits.topk(num, dim=-1)
         out.logprob_ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
-        out.logprob_values = torch.cat([sampled_lp, top_lp], dim=1)
+        out.logprob_values = torch.cat([sampled_lp, top_logit - lse], dim=1)
     else:
         out.logprob_ids = sampled.unsqueeze(1)
         out.logprob_values = sampled_lp
