@@ -10,6 +10,7 @@ pub mod error;
 pub mod kernels;
 pub mod protocol;
 mod py;
+pub mod sampler;
 
 use pyo3::prelude::*;
 

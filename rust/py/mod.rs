@@ -5,6 +5,7 @@ mod codec;
 mod detok;
 mod errors;
 mod kernels;
+mod sampler;
 
 use pyo3::prelude::*;
 
@@ -28,5 +29,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codec::register(m)?;
     detok::register(m)?;
     kernels::register(m)?;
+    sampler::register(m)?;
     Ok(())
 }

@@ -1,0 +1,722 @@
+//! The sampler against a plain f64 reference of the same semantics (a full sort
+//! per row), by chi-square over many draws, plus the pieces on their own.
+
+use super::select::{self, TopK};
+use super::*;
+
+const SEED: u64 = 1234;
+
+fn params() -> RowParams {
+    RowParams {
+        greedy: false,
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition: 1.0,
+        frequency: 0.0,
+        presence: 0.0,
+        seed: SEED,
+        stream: 7,
+        position: 0,
+        num_logprobs: -1,
+    }
+}
+
+/// A tiny deterministic generator for test data.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32) / (1u64 << 24) as f32
+    }
+    fn logits(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| (self.next() - 0.5) * scale).collect()
+    }
+}
+
+struct Extra<'a> {
+    seen: &'a [u32],
+    counts: &'a [u32],
+    banned: &'a [u32],
+}
+const NONE: Extra<'static> = Extra {
+    seen: &[],
+    counts: &[],
+    banned: &[],
+};
+
+/// Samples each (logits row, params) pair as a batch; returns (tokens, nonfinite).
+fn run(
+    logits: &[f32],
+    vocab: usize,
+    rows: &[RowParams],
+    extra: &[Extra<'_>],
+    threads: usize,
+) -> (Vec<i64>, Vec<usize>) {
+    let n = rows.len();
+    let mut so = vec![0usize];
+    let mut st = vec![];
+    let mut sc = vec![];
+    let mut bo = vec![0usize];
+    let mut bt = vec![];
+    for r in 0..n {
+        let e = extra.get(r).unwrap_or(&NONE);
+        st.extend_from_slice(e.seen);
+        sc.extend_from_slice(e.counts);
+        so.push(st.len());
+        bt.extend_from_slice(e.banned);
+        bo.push(bt.len());
+    }
+    let batch = Batch {
+        logits,
+        vocab,
+        rows,
+        seen: TokenLists {
+            offsets: &so,
+            tokens: &st,
+        },
+        seen_counts: &sc,
+        banned: TokenLists {
+            offsets: &bo,
+            tokens: &bt,
+        },
+    };
+    let mut sampled = vec![0i64; n];
+    let mut ranks = vec![0i64; n];
+    let out = Outputs {
+        sampled: &mut sampled,
+        ranks: &mut ranks,
+        logprob_ids: &mut [],
+        logprob_values: &mut [],
+        width: 0,
+    };
+    let bad = sample(&batch, out, threads).unwrap();
+    (sampled, bad)
+}
+
+/// The reference probabilities: penalties, temperature, top-k (ties kept),
+/// softmax, top-p (ties kept together), min-p — by a full sort, in f64.
+fn reference(row: &[f32], p: &RowParams, e: &Extra<'_>) -> Vec<f64> {
+    let mut v: Vec<f64> = row.iter().map(|&x| f64::from(x)).collect();
+    let mut ov = Vec::new();
+    penalties::overrides(row, p, e.seen, e.counts, e.banned, &mut ov);
+    for (t, x) in ov {
+        v[t as usize] = f64::from(x);
+    }
+    let t = f64::from(p.temperature);
+    let z: Vec<f64> = v.iter().map(|x| x / t).collect();
+    let mut order: Vec<usize> = (0..z.len()).collect();
+    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+    let mut keep = vec![true; z.len()];
+    if p.top_k > 0 && (p.top_k as usize) < z.len() {
+        let kth = z[order[p.top_k as usize - 1]];
+        for i in 0..z.len() {
+            keep[i] = z[i] >= kth;
+        }
+    }
+    let m = z[order[0]];
+    let mut pr: Vec<f64> = (0..z.len())
+        .map(|i| if keep[i] { (z[i] - m).exp() } else { 0.0 })
+        .collect();
+    let total: f64 = pr.iter().sum();
+    if p.top_p < 1.0 {
+        let mut before = 0.0;
+        let mut cut = f64::NEG_INFINITY;
+        for &i in &order {
+            if before >= f64::from(p.top_p) * total {
+                break;
+            }
+            before += pr[i];
+            cut = z[i];
+        }
+        for i in 0..z.len() {
+            if z[i] < cut {
+                pr[i] = 0.0;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        for x in pr.iter_mut() {
+            if *x < f64::from(p.min_p) {
+                *x = 0.0;
+            }
+        }
+    }
+    let s: f64 = pr.iter().sum();
+    pr.iter().map(|x| x / s).collect()
+}
+
+/// Draws `n` tokens from one row (positions 0..n) and checks the counts against
+/// `expected` by chi-square (bins of expected count < 5 pooled), at a
+/// significance far below any fixed-seed run's bad luck: fails on real bias.
+fn chi_square(row: &[f32], p: RowParams, e: &Extra<'_>, n: usize) {
+    let vocab = row.len();
+    let expected = reference(row, &p, e);
+    let batch_rows = 64;
+    let mut counts = vec![0usize; vocab];
+    let mut logits = Vec::with_capacity(batch_rows * vocab);
+    for _ in 0..batch_rows {
+        logits.extend_from_slice(row);
+    }
+    let extras: Vec<Extra<'_>> = (0..batch_rows)
+        .map(|_| Extra {
+            seen: e.seen,
+            counts: e.counts,
+            banned: e.banned,
+        })
+        .collect();
+    for start in (0..n).step_by(batch_rows) {
+        let rows: Vec<RowParams> = (0..batch_rows)
+            .map(|i| RowParams {
+                position: (start + i) as u64,
+                ..p
+            })
+            .collect();
+        let (tok, bad) = run(&logits, vocab, &rows, &extras, 2);
+        assert!(bad.is_empty());
+        for t in tok {
+            counts[t as usize] += 1;
+        }
+    }
+    let total = (n.div_ceil(batch_rows) * batch_rows) as f64;
+    let (mut stat, mut dof) = (0.0, 0usize);
+    let (mut pool_o, mut pool_e) = (0.0, 0.0);
+    for (i, &pr) in expected.iter().enumerate() {
+        let o = counts[i] as f64;
+        if pr == 0.0 {
+            assert_eq!(counts[i], 0, "token {i} has probability 0 but was drawn");
+            continue;
+        }
+        let ex = pr * total;
+        if ex < 5.0 {
+            pool_o += o;
+            pool_e += ex;
+        } else {
+            stat += (o - ex).powi(2) / ex;
+            dof += 1;
+        }
+    }
+    if pool_e > 0.0 {
+        stat += (pool_o - pool_e).powi(2) / pool_e;
+        dof += 1;
+    }
+    let dof = dof.saturating_sub(1).max(1) as f64;
+    // mean dof, sd sqrt(2 dof): 6 sd is far beyond chance
+    let limit = dof + 6.0 * (2.0 * dof).sqrt();
+    assert!(
+        stat < limit,
+        "chi-square {stat:.1} over {dof} dof (limit {limit:.1}) for {p:?}"
+    );
+}
+
+#[test]
+fn philox_known_answers() {
+    // Random123's kat_vectors for philox4x32_10
+    assert_eq!(
+        philox4x32_10([0; 4], [0; 2]),
+        [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+    );
+    assert_eq!(
+        philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+        [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
+    );
+    assert_eq!(
+        philox4x32_10(
+            [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
+            [0xa4093822, 0x299f31d0]
+        ),
+        [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+    );
+}
+
+#[test]
+fn uniforms_are_in_range_and_keyed() {
+    let mut sum = 0.0;
+    for pos in 0..10_000 {
+        let u = uniform(5, 0, pos);
+        assert!((0.0..1.0).contains(&u));
+        sum += u;
+    }
+    assert!((sum / 10_000.0 - 0.5).abs() < 0.02);
+    assert_ne!(uniform(5, 0, 0), uniform(6, 0, 0));
+    assert_ne!(uniform(5, 0, 0), uniform(5, 1, 0));
+    assert_ne!(uniform(5, 0, 0), uniform(5, 0, 1));
+}
+
+#[test]
+fn fast_exp_is_accurate() {
+    let mut x = -87.0f32;
+    while x < 0.5 {
+        let got = f64::from(select::exp(x));
+        let want = f64::from(x).exp();
+        assert!(
+            ((got - want) / want).abs() < 5e-7,
+            "exp({x}) = {got}, want {want}"
+        );
+        x += 0.0137;
+    }
+    assert_eq!(select::exp(f32::NEG_INFINITY), 0.0);
+    assert_eq!(select::exp(f32::NAN), 0.0);
+}
+
+#[test]
+fn top_k_candidates_match_a_sort() {
+    let mut g = Lcg(1);
+    for (n, k) in [(1000, 1), (1000, 50), (5000, 700), (37, 40), (3000, 3000)] {
+        // few distinct values: many ties
+        let row: Vec<f32> = g.logits(n, 8.0).iter().map(|x| x.round()).collect();
+        let mut sel = TopK::new(k, Vec::new());
+        for (i, part) in row.chunks(333).enumerate() {
+            sel.push(i * 333, part);
+        }
+        let got = sel.finish();
+        let mut sorted = row.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[k.min(n) - 1];
+        let want: Vec<usize> = (0..n).filter(|&i| row[i] >= kth).collect();
+        let mut got_ids: Vec<usize> = got.iter().map(|c| c.1 as usize).collect();
+        got_ids.sort();
+        assert_eq!(got_ids, want, "n {n} k {k}");
+        assert!(got
+            .windows(2)
+            .all(|w| w[0].0 > w[1].0 || (w[0].0 == w[1].0 && w[0].1 < w[1].1)));
+    }
+}
+
+#[test]
+fn top_p_floor_matches_a_sort() {
+    let mut g = Lcg(2);
+    for trial in 0..200 {
+        let n = 1 + trial * 7;
+        let e: Vec<f32> = g
+            .logits(n, 1.0)
+            .iter()
+            .map(|x| ((x + 0.5) * 6.0).round() / 6.0)
+            .collect();
+        let total: f64 = e.iter().map(|&x| f64::from(x)).sum();
+        let p = f64::from(g.next()).max(0.01);
+        let mut sorted = e.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let mut before = 0.0;
+        let mut want = f32::INFINITY;
+        for &x in &sorted {
+            if before >= p * total {
+                break;
+            }
+            before += f64::from(x);
+            want = x;
+        }
+        let got = select::top_p_floor(&mut e.clone(), p * total);
+        assert_eq!(got, want, "trial {trial}");
+    }
+}
+
+#[test]
+fn greedy_is_the_first_argmax_after_changes() {
+    let row = [1.0, 3.0, f32::NAN, 3.0, 2.0];
+    let g = RowParams {
+        greedy: true,
+        ..params()
+    };
+    assert_eq!(run(&row, 5, &[g], &[], 1).0, [1]);
+    let ban = [Extra {
+        seen: &[],
+        counts: &[],
+        banned: &[1],
+    }];
+    assert_eq!(run(&row, 5, &[g], &ban, 1).0, [3]);
+    let rep = RowParams {
+        repetition: 2.0,
+        ..g
+    };
+    let seen = [Extra {
+        seen: &[1, 3],
+        counts: &[0, 0],
+        banned: &[],
+    }];
+    assert_eq!(run(&row, 5, &[rep], &seen, 1).0, [4]);
+}
+
+#[test]
+fn distributions_match_the_reference() {
+    let mut g = Lcg(3);
+    let small = g.logits(40, 6.0);
+    let big = g.logits(3000, 10.0);
+    let n = 40_000;
+    let cases = [
+        params(),
+        RowParams {
+            temperature: 0.5,
+            ..params()
+        },
+        RowParams {
+            temperature: 2.0,
+            ..params()
+        },
+        RowParams {
+            top_k: 5,
+            ..params()
+        },
+        RowParams {
+            top_p: 0.7,
+            ..params()
+        },
+        RowParams {
+            min_p: 0.1,
+            ..params()
+        },
+        RowParams {
+            top_k: 10,
+            top_p: 0.8,
+            temperature: 0.7,
+            ..params()
+        },
+        RowParams {
+            top_k: 20,
+            min_p: 0.05,
+            ..params()
+        },
+        RowParams {
+            top_p: 0.9,
+            min_p: 0.02,
+            temperature: 1.3,
+            ..params()
+        },
+    ];
+    for p in cases {
+        chi_square(&small, p, &NONE, n);
+    }
+    for p in [
+        RowParams {
+            top_p: 0.5,
+            ..params()
+        },
+        RowParams {
+            top_k: 30,
+            top_p: 0.9,
+            ..params()
+        },
+        RowParams {
+            min_p: 0.2,
+            ..params()
+        },
+    ] {
+        chi_square(&big, p, &NONE, n);
+    }
+}
+
+#[test]
+fn penalties_and_bans_match_the_reference() {
+    let mut g = Lcg(4);
+    let row = g.logits(50, 6.0);
+    let e = Extra {
+        seen: &[3, 7, 11, 20, 49],
+        counts: &[0, 2, 1, 0, 3],
+        banned: &[7, 0],
+    };
+    let pen = RowParams {
+        repetition: 1.5,
+        frequency: 0.4,
+        presence: 0.3,
+        ..params()
+    };
+    chi_square(&row, pen, &e, 40_000);
+    chi_square(&row, RowParams { top_k: 8, ..pen }, &e, 40_000);
+    chi_square(&row, RowParams { top_p: 0.6, ..pen }, &e, 40_000);
+}
+
+#[test]
+fn ties_at_the_boundaries_are_kept_together() {
+    // top-k 2 with three tied at the 2nd place; top-p boundary inside a tie
+    let row = [3.0, 1.0, 1.0, 1.0, 0.0, -1.0];
+    chi_square(
+        &row,
+        RowParams {
+            top_k: 2,
+            ..params()
+        },
+        &NONE,
+        30_000,
+    );
+    chi_square(
+        &row,
+        RowParams {
+            top_p: 0.7,
+            ..params()
+        },
+        &NONE,
+        30_000,
+    );
+    chi_square(
+        &row,
+        RowParams {
+            top_p: 0.7,
+            top_k: 3,
+            ..params()
+        },
+        &NONE,
+        30_000,
+    );
+}
+
+#[test]
+fn tiny_top_p_and_top_k_1_are_greedy() {
+    let mut g = Lcg(5);
+    let row = g.logits(1000, 4.0);
+    let want = run(
+        &row,
+        1000,
+        &[RowParams {
+            greedy: true,
+            ..params()
+        }],
+        &[],
+        1,
+    )
+    .0[0];
+    for pos in 0..200 {
+        for p in [
+            RowParams {
+                top_p: 1e-6,
+                ..params()
+            },
+            RowParams {
+                top_k: 1,
+                ..params()
+            },
+        ] {
+            assert_eq!(
+                run(&row, 1000, &[RowParams { position: pos, ..p }], &[], 1).0[0],
+                want
+            );
+        }
+    }
+}
+
+#[test]
+fn a_row_draws_the_same_alone_and_in_any_batch() {
+    let mut g = Lcg(6);
+    let vocab = 2000;
+    let n = 50;
+    let logits = g.logits(n * vocab, 8.0);
+    let rows: Vec<RowParams> = (0..n)
+        .map(|i| RowParams {
+            seed: i as u64 % 3,
+            stream: i as u64,
+            position: i as u64 * 11,
+            top_k: [0, 40][i % 2],
+            top_p: [1.0, 0.9][i % 3 / 2],
+            greedy: i % 7 == 0,
+            ..params()
+        })
+        .collect();
+    let (batched, _) = run(&logits, vocab, &rows, &[], 3);
+    let (single, _) = run(&logits, vocab, &rows, &[], 1);
+    assert_eq!(batched, single);
+    for i in (0..n).step_by(7) {
+        let alone = run(
+            &logits[i * vocab..(i + 1) * vocab],
+            vocab,
+            &rows[i..=i],
+            &[],
+            2,
+        )
+        .0;
+        assert_eq!(alone[0], batched[i]);
+    }
+    // a different seed changes the draws
+    let reseeded: Vec<RowParams> = rows
+        .iter()
+        .map(|r| RowParams {
+            seed: r.seed + 100,
+            ..*r
+        })
+        .collect();
+    assert_ne!(run(&logits, vocab, &reseeded, &[], 2).0, batched);
+}
+
+#[test]
+fn logprobs_are_of_the_raw_logits() {
+    let mut g = Lcg(7);
+    let vocab = 5000;
+    let mut row = g.logits(vocab, 12.0);
+    row[10] = row[20]; // a tie
+    let p = RowParams {
+        num_logprobs: 5,
+        repetition: 3.0,
+        ..params()
+    };
+    let seen = [20u32, 10];
+    let so = [0usize, 2];
+    let batch = Batch {
+        logits: &row,
+        vocab,
+        rows: &[p],
+        seen: TokenLists {
+            offsets: &so,
+            tokens: &seen,
+        },
+        seen_counts: &[1, 1],
+        banned: TokenLists {
+            offsets: &[0, 0],
+            tokens: &[],
+        },
+    };
+    let (mut s, mut r, mut ids, mut vals) = ([0i64], [0i64], [0i64; 7], [0f32; 7]);
+    let out = Outputs {
+        sampled: &mut s,
+        ranks: &mut r,
+        logprob_ids: &mut ids,
+        logprob_values: &mut vals,
+        width: 7,
+    };
+    sample(&batch, out, 1).unwrap();
+    let m = row
+        .iter()
+        .cloned()
+        .fold(f64::NEG_INFINITY, |a, b| a.max(f64::from(b)));
+    let lse = m + row
+        .iter()
+        .map(|&x| (f64::from(x) - m).exp())
+        .sum::<f64>()
+        .ln();
+    let tok = s[0] as usize;
+    assert_eq!(ids[0], s[0]);
+    assert!((f64::from(vals[0]) - (f64::from(row[tok]) - lse)).abs() < 1e-5);
+    assert_eq!(
+        r[0] as usize,
+        1 + row.iter().filter(|&&x| x > row[tok]).count()
+    );
+    let mut order: Vec<usize> = (0..vocab).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    for j in 0..5 {
+        assert_eq!(ids[1 + j] as usize, order[j]);
+        assert!((f64::from(vals[1 + j]) - (f64::from(row[order[j]]) - lse)).abs() < 1e-5);
+    }
+    assert_eq!(ids[6], -1);
+}
+
+#[test]
+fn nonfinite_rows_are_argmaxed_and_reported() {
+    let nan = f32::NAN;
+    let inf = f32::INFINITY;
+    let logits = [
+        0.0,
+        inf,
+        1.0,
+        inf, // +inf: the first
+        nan,
+        nan,
+        nan,
+        nan, // all NaN: 0
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        nan,
+        f32::NEG_INFINITY, // all -inf: the first
+        nan,
+        2.0,
+        nan,
+        1.0, // NaN ignored: fine
+    ];
+    for p in [
+        params(),
+        RowParams {
+            top_k: 2,
+            ..params()
+        },
+        RowParams {
+            greedy: true,
+            ..params()
+        },
+    ] {
+        let (tok, bad) = run(&logits, 4, &[p; 4], &[], 2);
+        assert_eq!(&tok[..3], &[1, 0, 0], "{p:?}");
+        assert!(tok[3] == 1 || tok[3] == 3);
+        assert_eq!(bad, [0, 1, 2]);
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let row = [0.0f32; 4];
+    let so = [0usize, 0];
+    let mk = |p: RowParams, tokens: &[u32], counts: &[u32], offsets: &[usize]| {
+        let batch = Batch {
+            logits: &row,
+            vocab: 4,
+            rows: &[p],
+            seen: TokenLists { offsets, tokens },
+            seen_counts: counts,
+            banned: TokenLists {
+                offsets: &so,
+                tokens: &[],
+            },
+        };
+        let (mut s, mut r) = ([0i64], [0i64]);
+        let out = Outputs {
+            sampled: &mut s,
+            ranks: &mut r,
+            logprob_ids: &mut [],
+            logprob_values: &mut [],
+            width: 0,
+        };
+        sample(&batch, out, 1)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert!(mk(
+        RowParams {
+            temperature: 0.0,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("temperature"));
+    assert!(mk(
+        RowParams {
+            top_p: 0.0,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("top_p"));
+    assert!(mk(
+        RowParams {
+            min_p: 2.0,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("min_p"));
+    assert!(mk(
+        RowParams {
+            num_logprobs: 1,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("num_logprobs"));
+    assert!(mk(params(), &[4], &[0], &[0, 1])
+        .unwrap_err()
+        .contains("not in 0..4"));
+    assert!(mk(params(), &[1], &[0], &[0, 0])
+        .unwrap_err()
+        .contains("offsets"));
+    assert!(mk(params(), &[], &[], &so).is_ok());
+}
