@@ -446,26 +446,21 @@ fn sample_full(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
     }
     let inv_t = 1.0 / p.temperature;
     s.e.resize(row.len(), 0.0);
-    let mut total = 0.0f64;
     let e = &mut s.e;
     penalties::segments(row, &s.ov, |start, xs| {
-        total += f64::from(select::exp_into(
-            xs,
-            m,
-            inv_t,
-            &mut e[start..start + xs.len()],
-        ));
+        select::exp_into(xs, m, inv_t, &mut e[start..start + xs.len()]);
     });
+    let mut mass = select::chunk_sums(e, 0.0, &mut s.sums);
     let mut floor = 0.0f32;
     if p.top_p < 1.0 {
-        s.e2.clear();
-        s.e2.extend_from_slice(e);
-        floor = select::top_p_floor(&mut s.e2, f64::from(p.top_p) * total);
+        floor = select::top_p_floor(e, f64::from(p.top_p) * mass, &mut s.e2);
     }
     if p.min_p > 0.0 {
         floor = floor.max(p.min_p);
     }
-    let mass = select::chunk_sums(e, floor, &mut s.sums);
+    if floor > 0.0 {
+        mass = select::chunk_sums(e, floor, &mut s.sums);
+    }
     let target = uniform(p.seed, p.stream, p.position) * mass;
     match select::inverse_cdf(e, &s.sums, floor, target) {
         Some(i) => (i, false),

@@ -43,16 +43,19 @@ pub(super) fn count_greater(xs: &[f32], v: f32) -> usize {
 }
 
 /// exp(x) to about 2 ulp for x in [-87, 88] (Cephes' `expf` polynomial), 0 below
-/// -87 and for NaN, branch-free so that it vectorises.
+/// -87 and for NaN; branch-free and conversion-free so that it vectorises.
 #[inline(always)]
 pub(super) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    // 1.5 * 2^23: adding it rounds to an integer, which lands in the low mantissa
+    // bits (its bit pattern is 0x4B40_0000 + n for |n| < 2^22)
+    const ROUND: f32 = 12_582_912.0;
     let keep = x >= -87.0; // false for NaN and very small x
     let xc = x.clamp(-87.0, 88.0);
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let big = xc * LOG2E + ROUND;
+    let n = big - ROUND;
     let r = xc - n * C1 - n * C2;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_2e-3;
@@ -61,7 +64,7 @@ pub(super) fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let y = p * r * r + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(big.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
     if keep {
         y * scale
     } else {
@@ -69,25 +72,12 @@ pub(super) fn exp(x: f32) -> f32 {
     }
 }
 
-/// Writes `e[i] = exp((x[i] - m) * inv_t)` and returns their sum.
+/// Writes `e[i] = exp((x[i] - m) * inv_t)`.
 #[inline(always)]
-pub(super) fn exp_into(x: &[f32], m: f32, inv_t: f32, e: &mut [f32]) -> f32 {
-    let mut lanes = [0.0f32; L];
-    let mut xs = x.chunks_exact(L);
-    let mut es = e.chunks_exact_mut(L);
-    for (xc, ec) in (&mut xs).zip(&mut es) {
-        for i in 0..L {
-            let v = exp((xc[i] - m) * inv_t);
-            ec[i] = v;
-            lanes[i] += v;
-        }
-    }
-    let mut sum: f32 = lanes.iter().sum();
-    for (xv, ev) in xs.remainder().iter().zip(es.into_remainder()) {
+pub(super) fn exp_into(x: &[f32], m: f32, inv_t: f32, e: &mut [f32]) {
+    for (xv, ev) in x.iter().zip(e.iter_mut()) {
         *ev = exp((xv - m) * inv_t);
-        sum += *ev;
     }
-    sum
 }
 
 /// Sum of exp(x - m) over `xs` (the log-sum-exp's sum), in f64.
@@ -261,12 +251,63 @@ impl TopK {
     }
 }
 
-/// The top-p floor of a row's exponentials `e` (destroyed): the smallest value
-/// v among them such that the mass of the entries strictly greater than v is
-/// below `mass`. Every entry >= v is kept: tokens tied at the boundary are
-/// kept or dropped together. Expected linear time (a quickselect on mass).
-pub(super) fn top_p_floor(e: &mut [f32], mass: f64) -> f32 {
-    let mut a: &mut [f32] = e;
+/// The top-p floor of a row's exponentials `e` (each in [0, 1]): the smallest
+/// value v among them such that the mass of the entries strictly greater than v
+/// is below `mass`. Every entry >= v is kept: tokens tied at the boundary are
+/// kept or dropped together. Two histogram levels (the exponent, then the top 8
+/// bits of the mantissa within the boundary's exponent) find the narrow range
+/// that holds the floor; its few entries go to `work`, where a quickselect on
+/// mass finishes.
+pub(super) fn top_p_floor(e: &[f32], mass: f64, work: &mut Vec<f32>) -> f32 {
+    // level 1: by exponent (two interleaved histograms halve the add chains)
+    let mut h = [[0.0f64; 256]; 2];
+    let mut pairs = e.chunks_exact(2);
+    for pair in &mut pairs {
+        h[0][(pair[0].to_bits() >> 23) as usize & 255] += f64::from(pair[0]);
+        h[1][(pair[1].to_bits() >> 23) as usize & 255] += f64::from(pair[1]);
+    }
+    for &v in pairs.remainder() {
+        h[0][(v.to_bits() >> 23) as usize & 255] += f64::from(v);
+    }
+    let hist: Vec<f64> = (0..256).map(|b| h[0][b] + h[1][b]).collect();
+    let (bucket, above) = boundary(&hist, mass);
+    work.clear();
+    work.extend(
+        e.iter()
+            .copied()
+            .filter(|v| (v.to_bits() >> 23) as usize == bucket),
+    );
+    // level 2: by the top 8 mantissa bits within that exponent
+    let mut hist2 = [0.0f64; 256];
+    for &v in work.iter() {
+        hist2[(v.to_bits() >> 15) as usize & 255] += f64::from(v);
+    }
+    let (sub, above2) = boundary(&hist2, mass - above);
+    work.retain(|v| (v.to_bits() >> 15) as usize & 255 == sub);
+    quickselect_floor(work, mass - above - above2)
+}
+
+/// The bucket where the mass summed from the top first reaches `mass`, and the
+/// mass of the buckets above it (the lowest nonempty bucket if it never does).
+fn boundary(hist: &[f64], mass: f64) -> (usize, f64) {
+    let mut acc = 0.0;
+    let mut last = 0;
+    for b in (0..hist.len()).rev() {
+        if hist[b] == 0.0 {
+            continue;
+        }
+        if acc + hist[b] >= mass {
+            return (b, acc);
+        }
+        acc += hist[b];
+        last = b;
+    }
+    (last, acc - hist[last])
+}
+
+/// `top_p_floor` by a quickselect on mass over `a` (destroyed): expected linear.
+fn quickselect_floor(a: &mut [f32], mass: f64) -> f32 {
+    let mut a: &mut [f32] = a;
     let mut above = 0.0f64; // mass of the entries already known to be larger
     loop {
         let n = a.len();

@@ -310,7 +310,7 @@ fn top_p_floor_matches_a_sort() {
             before += f64::from(x);
             want = x;
         }
-        let got = select::top_p_floor(&mut e.clone(), p * total);
+        let got = select::top_p_floor(&e, p * total, &mut Vec::new());
         assert_eq!(got, want, "trial {trial}");
     }
 }
@@ -719,4 +719,109 @@ fn bad_arguments_are_errors() {
         .unwrap_err()
         .contains("offsets"));
     assert!(mk(params(), &[], &[], &so).is_ok());
+}
+
+/// Timing of the pieces on one 32,000-entry row (not a test: `cargo test
+/// --release -- --ignored --nocapture time_pieces`).
+#[test]
+#[ignore]
+fn time_pieces() {
+    use std::time::Instant;
+    let mut g = Lcg(9);
+    let row: Vec<f32> = g.logits(32_000, 12.0);
+    let mut e = vec![0.0f32; row.len()];
+    let mut sums = vec![0.0f32; row.len().div_ceil(select::CHUNK)];
+    let reps = 200;
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::max(std::hint::black_box(&row)));
+    }
+    eprintln!(
+        "max          {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::exp_into(
+            std::hint::black_box(&row),
+            6.0,
+            1.0,
+            &mut e,
+        ));
+    }
+    eprintln!(
+        "exp_into     {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::chunk_sums(std::hint::black_box(&e), 0.0, &mut sums));
+    }
+    eprintln!(
+        "chunk_sums   {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let total: f64 = e.iter().map(|&x| f64::from(x)).sum();
+    let mut work = Vec::new();
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::top_p_floor(&e, 0.95 * total, &mut work));
+    }
+    eprintln!(
+        "top_p_floor  {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        let mut sel = TopK::new(50, Vec::new());
+        sel.push(0, std::hint::black_box(&row));
+        std::hint::black_box(sel.finish());
+    }
+    eprintln!(
+        "top_k 50     {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    for (name, p) in [
+        (
+            "row top_k",
+            RowParams {
+                top_k: 50,
+                top_p: 0.95,
+                ..params()
+            },
+        ),
+        (
+            "row top_p",
+            RowParams {
+                top_p: 0.95,
+                ..params()
+            },
+        ),
+        ("row plain", params()),
+        (
+            "row greedy",
+            RowParams {
+                greedy: true,
+                ..params()
+            },
+        ),
+    ] {
+        let t = Instant::now();
+        for i in 0..reps {
+            std::hint::black_box(run(
+                &row,
+                row.len(),
+                &[RowParams {
+                    position: i as u64,
+                    ..p
+                }],
+                &[],
+                1,
+            ));
+        }
+        eprintln!(
+            "{name:12} {:8.1} us",
+            t.elapsed().as_secs_f64() * 1e6 / reps as f64
+        );
+    }
 }
