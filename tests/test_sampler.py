@@ -199,7 +199,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     md.params_i[::7, I_GREEDY] = 1
     batched = kernel(logits, md)
     for r in range(0, 64, 9):
-        alone = SamplingMetadata(False, md.params_f[r : r + 1], md.params_i[r : r + 1], None, None, None)
+        alone = SamplingMetadata(
+            False, md.params_f[r : r + 1], md.params_i[r : r + 1], None, None, None
+        )
         assert int(kernel(logits[r : r + 1], alone)[0]) == int(batched[r])
     md.params_i[:, I_SEED] += 1000
     assert not torch.equal(kernel(logits, md), batched)
@@ -245,7 +247,13 @@ def test_nonfinite_rows_do_not_fail_the_step():
     assert torch.isnan(out.logprob_values[2, 0])  # log_softmax of a row with +inf
     # rows 0 and 4 are unaffected by the others
     alone = make_md(5, top_p=0.9)
-    assert kernel(logits[4:], SamplingMetadata(False, alone.params_f[4:], alone.params_i[4:], None, None, None))[0] == out.sampled[4]
+    assert (
+        kernel(
+            logits[4:],
+            SamplingMetadata(False, alone.params_f[4:], alone.params_i[4:], None, None, None),
+        )[0]
+        == out.sampled[4]
+    )
 
 
 def test_bad_arguments_raise_value_errors():
@@ -280,7 +288,12 @@ def llama_dir(tmp_path_factory):
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (int(torch.randint(4, 20, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(
+            3, 1000, (int(torch.randint(4, 20, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
 
 
 def tokens(outputs) -> list[list[int]]:

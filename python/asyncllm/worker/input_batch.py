@@ -16,7 +16,6 @@ import torch
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.sampling_params import SamplingParams
 
-
 # Columns of `InputBatch.sample_f` (float32) and `sample_i` (int64): the sampler's
 # per-row parameters, packed in the layout `_core._sample` reads (rust/py/sampler.rs).
 F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_FREQUENCY, F_PRESENCE = range(6)
