@@ -384,7 +384,11 @@ fn argmax(row: &[f32], ov: &[(u32, f32)]) -> (usize, f32) {
 #[inline(always)]
 fn sample_top_k(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
     let mut sel = select::TopK::new(p.top_k as usize, std::mem::take(&mut s.cands));
-    penalties::segments(row, &s.ov, |start, xs| sel.push(start, xs));
+    if s.ov.is_empty() {
+        sel.push_all(row, &mut s.e2);
+    } else {
+        penalties::segments(row, &s.ov, |start, xs| sel.push(start, xs));
+    }
     let cands = sel.finish();
     let result = draw_sorted(&cands, p);
     s.cands = cands;

@@ -172,7 +172,7 @@ impl TopK {
         TopK {
             k,
             floor: f32::NEG_INFINITY,
-            limit: (4 * k).max(256),
+            limit: (2 * k).max(32),
             buf,
         }
     }
@@ -184,22 +184,13 @@ impl TopK {
         let mut it = xs.chunks_exact(BLOCK);
         let mut start = base;
         for c in &mut it {
-            let mut lanes = [f32::NEG_INFINITY; L];
-            for part in c.chunks_exact(L) {
-                for i in 0..L {
-                    lanes[i] = if part[i] > lanes[i] {
-                        part[i]
-                    } else {
-                        lanes[i]
-                    };
-                }
+            // `>=`: -inf entries still fill the buffer; NaN never passes
+            let floor = self.floor;
+            let mut any = false;
+            for &x in c {
+                any |= x >= floor;
             }
-            let mut m = lanes[0];
-            for &v in &lanes[1..] {
-                m = if v > m { v } else { m };
-            }
-            // `>=`: -inf entries still fill the buffer; NaN never passes.
-            if m >= self.floor {
+            if any {
                 self.push_scalar(start, c);
             }
             start += BLOCK;
@@ -219,6 +210,31 @@ impl TopK {
                 // many ties at the boundary: let the buffer grow instead of
                 // compacting on every push
                 self.limit = self.buf.len() * 2;
+            }
+        }
+    }
+
+    /// All of `xs` at once (a whole row, no changed entries): one vectorised pass
+    /// takes the maximum of every block of 64; the k-th largest of those is a
+    /// floor no k-th largest element can be below (k blocks hold an element at
+    /// least that large), so only the blocks whose maximum reaches it are scanned.
+    pub(super) fn push_all(&mut self, xs: &[f32], maxes: &mut Vec<f32>) {
+        const BLOCK: usize = 4 * L;
+        maxes.clear();
+        maxes.extend(xs.chunks(BLOCK).map(max));
+        if maxes.len() > self.k {
+            let k = self.k;
+            let mut sorted = std::mem::take(&mut self.buf); // borrow the allocation
+            sorted.clear();
+            sorted.extend(maxes.iter().map(|&m| (m, 0)));
+            let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
+            self.floor = kth.0;
+            sorted.clear();
+            self.buf = sorted;
+        }
+        for (b, (c, &m)) in xs.chunks(BLOCK).zip(maxes.iter()).enumerate() {
+            if m >= self.floor {
+                self.push_scalar(b * BLOCK, c);
             }
         }
     }

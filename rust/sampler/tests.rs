@@ -274,6 +274,9 @@ fn top_k_candidates_match_a_sort() {
             sel.push(i * 333, part);
         }
         let got = sel.finish();
+        let mut whole = TopK::new(k, Vec::new());
+        whole.push_all(&row, &mut Vec::new());
+        assert_eq!(whole.finish(), got, "n {n} k {k}: push_all");
         let mut sorted = row.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let kth = sorted[k.min(n) - 1];
@@ -726,6 +729,13 @@ fn bad_arguments_are_errors() {
 #[test]
 #[ignore]
 fn time_pieces() {
+    for _ in 0..4 {
+        time_pieces_once();
+        eprintln!();
+    }
+}
+
+fn time_pieces_once() {
     use std::time::Instant;
     let mut g = Lcg(9);
     let row: Vec<f32> = g.logits(32_000, 12.0);
@@ -774,7 +784,7 @@ fn time_pieces() {
     let t = Instant::now();
     for _ in 0..reps {
         let mut sel = TopK::new(50, Vec::new());
-        sel.push(0, std::hint::black_box(&row));
+        sel.push_all(std::hint::black_box(&row), &mut work);
         std::hint::black_box(sel.finish());
     }
     eprintln!(
