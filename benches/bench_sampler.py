@@ -2,7 +2,7 @@
 the torch reference (asyncllm.worker.sampler_reference, the path CUDA takes), same
 process, same logits, interleaved.
 
-    python benches/bench_sampler.py [--repeats 7] [--quick]
+    python benches/bench_sampler.py [--repeats 7] [--threads N] [--quick]
 
 Shapes: 64 x 32,000 and 256 x 128,256 (Llama-3's vocabulary) float32 logits,
 N(0, 3^2). Cases: `sampled` = temperature 1.0 + top_p 0.95 + top_k 50 (the issue's
@@ -57,8 +57,11 @@ def time_ms(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shapes = [(64, 32_000)] if args.quick else [(64, 32_000), (256, 128_256)]
     repeats = 3 if args.quick else args.repeats
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {repeats} repeats")

@@ -216,10 +216,8 @@ fn check(b: &Batch<'_>, out: &Outputs<'_>, num_threads: usize) -> Result<(), Ker
                 out.width
             )));
         }
-        if !(p.repetition > 0.0 && p.repetition.is_finite())
-            || !p.frequency.is_finite()
-            || !p.presence.is_finite()
-        {
+        let finite = p.frequency.is_finite() && p.presence.is_finite();
+        if !(p.repetition > 0.0 && p.repetition.is_finite() && finite) {
             return Err(bad(format!(
                 "row {r}: penalties must be finite and repetition > 0, got {p:?}"
             )));
