@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod prefix_hash;
 pub mod protocol;
 mod py;
+pub mod sampler;
 
 use pyo3::prelude::*;
 

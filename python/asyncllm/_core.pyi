@@ -475,3 +475,34 @@ def _paged_decode_attention(
     The work is split over `num_threads` threads (at least 1; pass
     `torch.get_num_threads()`). Raises ValueError on a wrong dtype, shape or
     layout, a seq_len out of range or a block id outside 0..num_blocks."""
+
+def _sample(
+    logits: _Buffer,
+    params_f: _Buffer,
+    params_i: _Buffer,
+    seen_offsets: _Buffer,
+    seen_tokens: _Buffer,
+    seen_counts: _Buffer,
+    banned_offsets: _Buffer,
+    banned_tokens: _Buffer,
+    sampled: _Buffer,
+    ranks: _Buffer,
+    logprob_ids: _Buffer,
+    logprob_values: _Buffer,
+    num_threads: int,
+) -> list[int]:
+    """Samples every row of `logits` [n, vocab] float32 in one call (rust/sampler),
+    reading it in place with the GIL released. Private: its one caller,
+    asyncllm.worker.sampler_kernel, guarantees no other thread writes `logits` or
+    touches the outputs meanwhile.
+
+    params_f: [n, 6] float32 (temperature, top_p, min_p, repetition, frequency,
+    presence); params_i: [n, 6] int64 (greedy, top_k, num_logprobs or -1, seed and
+    stream as uint64 bits, output position): the columns F_*/I_* of
+    asyncllm.worker.input_batch. Token lists in CSR form (int64): row r's seen
+    tokens are seen_tokens[seen_offsets[r]:seen_offsets[r+1]] with seen_counts their
+    occurrences among the outputs; banned_* likewise (min_tokens). Writes sampled
+    [n] and ranks [n] int64, logprob_ids [n, w] int64 and logprob_values [n, w]
+    float32 (w = 0, or >= 1 + every row's num_logprobs; padded with -1 / NaN).
+    Returns the rows whose logits had no finite maximum (sampled as their argmax).
+    Raises ValueError, writing nothing, on a bad dtype, shape, parameter or token id."""

@@ -6,7 +6,8 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod paged_attention;
-mod team;
+// `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
+pub(crate) mod team;
 #[cfg(test)]
 mod tests;
 

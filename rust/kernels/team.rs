@@ -19,7 +19,7 @@ use super::KernelError;
 
 /// Where a multi-threaded call runs.
 #[derive(Clone, Copy)]
-pub(super) enum Team {
+pub(crate) enum Team {
     /// The OpenMP team of the process's libgomp.
     #[cfg(target_os = "linux")]
     Omp(omp::GompParallel),
@@ -30,7 +30,7 @@ pub(super) enum Team {
 impl Team {
     /// The team for this process, chosen at the first call and kept;
     /// `num_threads` only words the error of a bad `ASYNCLLM_KERNEL_POOL`.
-    pub(super) fn get(num_threads: usize) -> Result<Team, KernelError> {
+    pub(crate) fn get(num_threads: usize) -> Result<Team, KernelError> {
         static TEAM: OnceLock<Result<Team, String>> = OnceLock::new();
         TEAM.get_or_init(choose)
             .clone()
@@ -42,7 +42,7 @@ impl Team {
 /// calling thread among them) and returns when all are done; `body` shares out
 /// the work itself. A panic in `body` is resumed on the calling thread.
 #[cfg(target_os = "linux")]
-pub(super) fn run_on_omp<F: Fn() + Sync>(
+pub(crate) fn run_on_omp<F: Fn() + Sync>(
     parallel: omp::GompParallel,
     num_threads: usize,
     body: &F,
@@ -69,7 +69,7 @@ fn choose() -> Result<Team, String> {
 }
 
 /// A rayon pool of `num_threads` threads, built on first use and kept.
-pub(super) fn pool(num_threads: usize) -> Result<Arc<rayon::ThreadPool>, KernelError> {
+pub(crate) fn pool(num_threads: usize) -> Result<Arc<rayon::ThreadPool>, KernelError> {
     static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
     // The list is only ever pushed to whole, so a panic elsewhere cannot leave it
     // inconsistent: a poisoned lock is safe to use.
@@ -104,7 +104,7 @@ mod omp {
     /// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads,
     /// unsigned flags)`: runs `fn(data)` on a team of `num_threads` threads, the
     /// caller included, and returns when every thread has returned.
-    pub(super) type GompParallel =
+    pub(crate) type GompParallel =
         unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 
     /// What the team's threads are handed: the caller's body and where a panic goes.
@@ -113,7 +113,7 @@ mod omp {
         panic: Panic,
     }
 
-    pub(super) fn run<F: Fn() + Sync>(
+    pub(crate) fn run<F: Fn() + Sync>(
         parallel: GompParallel,
         num_threads: usize,
         body: &F,
@@ -156,7 +156,7 @@ mod omp {
 
     /// `GOMP_parallel` of the libgomp mapped into this process, if exactly one
     /// is (or several, one of them torch's: the one under a `torch` directory).
-    pub(super) fn find() -> Option<GompParallel> {
+    pub(crate) fn find() -> Option<GompParallel> {
         let path = mapped_libgomp()?;
         let path = CString::new(path.as_os_str().as_bytes()).ok()?;
         open(&path, libc::RTLD_NOW | libc::RTLD_NOLOAD)
@@ -164,7 +164,7 @@ mod omp {
 
     /// `GOMP_parallel` of the libgomp `dlopen(path, flags)` gives (with
     /// `RTLD_NOLOAD`: only one already loaded).
-    pub(super) fn open(path: &CStr, flags: libc::c_int) -> Option<GompParallel> {
+    pub(crate) fn open(path: &CStr, flags: libc::c_int) -> Option<GompParallel> {
         // SAFETY: `path` is NUL-terminated. With RTLD_NOLOAD this returns a handle
         // only to a library already loaded (running no initialisers), else null;
         // without it (tests only) it loads libgomp, whose initialiser only reads

@@ -13,7 +13,7 @@ use crate::kernels::{self, BlockIndex, DecodeShape, KvCache};
 
 /// A C-contiguous buffer of `ndim` dimensions holding `T`, or a `ValueError`
 /// naming the argument.
-fn buffer<T: Element>(
+pub(super) fn buffer<T: Element>(
     obj: &Bound<'_, PyAny>,
     name: &str,
     dtype: &str,
@@ -73,7 +73,7 @@ impl Ints {
 /// it has none: a zero-length buffer may report a null address, which neither
 /// `from_raw_parts_mut` nor `KvCache::from_raw` accepts. A non-empty buffer's
 /// address is never null.
-fn data_ptr<T: Element>(buf: &PyBuffer<T>) -> *mut T {
+pub(super) fn data_ptr<T: Element>(buf: &PyBuffer<T>) -> *mut T {
     if buf.item_count() == 0 {
         std::ptr::NonNull::dangling().as_ptr()
     } else {
@@ -81,7 +81,7 @@ fn data_ptr<T: Element>(buf: &PyBuffer<T>) -> *mut T {
     }
 }
 
-fn byte_range<T: Element>(buf: &PyBuffer<T>) -> (usize, usize) {
+pub(super) fn byte_range<T: Element>(buf: &PyBuffer<T>) -> (usize, usize) {
     let start = buf.buf_ptr() as usize;
     (start, start + buf.len_bytes())
 }

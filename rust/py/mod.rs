@@ -6,6 +6,7 @@ mod detok;
 mod errors;
 mod kernels;
 mod prefix_hash;
+mod sampler;
 
 use pyo3::prelude::*;
 
@@ -30,5 +31,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     detok::register(m)?;
     kernels::register(m)?;
     prefix_hash::register(m)?;
+    sampler::register(m)?;
     Ok(())
 }

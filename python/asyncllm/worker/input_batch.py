@@ -16,6 +16,14 @@ import torch
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.sampling_params import SamplingParams
 
+# Columns of `InputBatch.sample_f` (float32) and `sample_i` (int64): the sampler's
+# per-row parameters, packed in the layout `_core._sample` reads (rust/py/sampler.rs).
+F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_FREQUENCY, F_PRESENCE = range(6)
+I_GREEDY, I_TOP_K, I_NUM_LOGPROBS, I_SEED, I_STREAM, I_POSITION = range(6)
+# An unseeded request's random stream: this bit plus its id, under the engine's
+# seed; a seeded one's is 0 under its own seed (rust/sampler/philox.rs).
+UNSEEDED_STREAM = 1 << 63
+
 
 @dataclass(slots=True)
 class RowState:
@@ -25,6 +33,8 @@ class RowState:
     params: SamplingParams
     stop_token_ids: list[int]
     generator: torch.Generator | None
+    # the prompt's distinct tokens (sorted), for penalties; None without them
+    prompt_tokens: np.ndarray | None = None
 
 
 class InputBatch:
@@ -37,14 +47,10 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_seqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)
-        # sampling parameters, one entry per row
-        self.temperature = np.ones(max_num_seqs, dtype=np.float32)
-        self.top_p = np.ones(max_num_seqs, dtype=np.float32)
-        self.top_k = np.zeros(max_num_seqs, dtype=np.int64)  # 0 = off
-        self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
-        self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
-        self.frequency_penalty = np.zeros(max_num_seqs, dtype=np.float32)
-        self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
+        # sampling parameters, one row per request, set once when it is added:
+        # a step gathers them with one fancy index (columns F_* and I_* above)
+        self.sample_f = np.zeros((max_num_seqs, 6), dtype=np.float32)
+        self.sample_i = np.zeros((max_num_seqs, 6), dtype=np.int64)
         self.greedy = np.ones(max_num_seqs, dtype=bool)
         self.has_penalty = np.zeros(max_num_seqs, dtype=bool)
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int32)
@@ -67,18 +73,36 @@ class InputBatch:
         self.num_blocks[row] = nb
         p = new.sampling_params
         self.greedy[row] = p.greedy
-        self.temperature[row] = 1.0 if p.greedy else p.temperature
-        self.top_p[row] = p.top_p
-        self.top_k[row] = max(p.top_k, 0)
-        self.min_p[row] = p.min_p
-        self.repetition_penalty[row] = p.repetition_penalty
-        self.frequency_penalty[row] = p.frequency_penalty
-        self.presence_penalty[row] = p.presence_penalty
+        self.sample_f[row] = (
+            1.0 if p.greedy else p.temperature,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+        )
+        seeded = p.seed is not None
+        # seeds and streams are uint64, kept as their int64 bit patterns
+        seed = np.array(p.seed if seeded else 0, dtype=np.uint64).view(np.int64)
+        stream = np.array(0 if seeded else UNSEEDED_STREAM | new.req_id, dtype=np.uint64)
+        self.sample_i[row] = (
+            p.greedy,
+            max(p.top_k, 0),
+            -1 if p.logprobs is None else p.logprobs,
+            seed,
+            stream.view(np.int64),
+            0,  # the output position, set each step
+        )
         self.has_penalty[row] = p.has_penalties
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
-        self.states[row] = RowState(new.req_id, p, sorted(new.stop_token_ids), generator)
+        prompt_tokens = None
+        if p.has_penalties:
+            prompt_tokens = np.unique(self.token_ids[row, : new.num_prompt_tokens])
+        self.states[row] = RowState(
+            new.req_id, p, sorted(new.stop_token_ids), generator, prompt_tokens
+        )
         return row
 
     def remove(self, req_id: int) -> RowState | None:

@@ -1,93 +1,110 @@
-"""Builds a step's `SamplingMetadata` from the persistent rows: only the stages
-some request in the batch needs are prepared."""
+"""A step's sampling inputs, gathered from the persistent rows of `InputBatch`:
+one fancy index for the packed per-row parameters, plus sparse token lists for
+the few rows with penalties or a `min_tokens` mask. Both samplers read it: the
+CPU kernel (`sampler_kernel`) as is, the torch path (`sampler_reference`) after
+densifying the token lists on the logits' device."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from asyncllm.worker.input_batch import InputBatch
-from asyncllm.worker.sampler import Penalties, SamplingMetadata
+from asyncllm.worker.input_batch import I_NUM_LOGPROBS, I_POSITION, InputBatch
+
+
+@dataclass(slots=True)
+class TokenLists:
+    """Per-row token lists in CSR form: row r's are tokens[offsets[r]:offsets[r+1]]."""
+
+    offsets: np.ndarray  # [n + 1] int64
+    tokens: np.ndarray  # int64
+    counts: np.ndarray  # int64, parallel to tokens (seen lists: occurrences in the outputs)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-step sampling inputs for the rows of the logits."""
+
+    all_greedy: bool
+    # [n, 6] float32 / int64 in the column layout of input_batch.F_* / I_*; the
+    # sampler keys the streams of unseeded rows (I_STREAM != 0) by the engine's seed
+    params_f: np.ndarray
+    params_i: np.ndarray
+    # tokens each penalised row has seen (each once; counts = occurrences among the
+    # outputs, 0 = prompt only); None when no row has penalties
+    seen: TokenLists | None
+    # tokens each row may not sample yet (min_tokens); None when no row has any
+    banned: TokenLists | None
+    max_num_logprobs: int | None
+
+    @property
+    def num_logprobs(self) -> np.ndarray:
+        return self.params_i[:, I_NUM_LOGPROBS]
 
 
 def build_sampling_metadata(
     ib: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
-    greedy = ib.greedy[rows]
-    all_greedy = bool(greedy.all())
+    """The inputs for sampling `rows`. `vocab_size` and `device` are not needed:
+    the samplers take both from the logits (kept for the runner's call)."""
+    params_f = ib.sample_f[rows]
+    params_i = ib.sample_i[rows]
     num_out = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
-    blocked = np.flatnonzero(num_out < ib.min_tokens[rows])
-    min_tokens_rows = []
-    for i in blocked.tolist():
-        state = ib.states[rows[i]]
-        assert state is not None
-        if state.stop_token_ids:
-            min_tokens_rows.append((i, state.stop_token_ids))
-    num_logprobs = ib.num_logprobs[rows]
+    params_i[:, I_POSITION] = num_out
+    num_logprobs = params_i[:, I_NUM_LOGPROBS]
     max_num_logprobs = int(num_logprobs.max()) if (num_logprobs >= 0).any() else None
-    penalties = None
-    if ib.has_penalty[rows].any():
-        penalties = _build_penalties(ib, rows, vocab_size, device)
-    if all_greedy:
-        return SamplingMetadata(
-            all_greedy=True,
-            greedy_mask=None,
-            temperature=None,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            generators={},
-            penalties=penalties,
-            min_tokens_rows=min_tokens_rows,
-            max_num_logprobs=max_num_logprobs,
-        )
-    top_k = ib.top_k[rows]
-    top_p = ib.top_p[rows]
-    min_p = ib.min_p[rows]
-    random_rows = np.flatnonzero(~greedy)
-    generators = {}
-    for i in random_rows.tolist():
-        state = ib.states[rows[i]]
-        if state is not None and state.generator is not None:
-            generators[i] = state.generator
     return SamplingMetadata(
-        all_greedy=False,
-        greedy_mask=torch.from_numpy(greedy).to(device),
-        temperature=torch.from_numpy(ib.temperature[rows]).to(device).unsqueeze(1),
-        top_k=(
-            torch.from_numpy(np.where(top_k > 0, top_k, vocab_size)).to(device)
-            if (top_k > 0).any()
-            else None
-        ),
-        top_p=torch.from_numpy(top_p).to(device) if (top_p < 1.0).any() else None,
-        min_p=torch.from_numpy(min_p).to(device) if (min_p > 0.0).any() else None,
-        generators=generators,
-        penalties=penalties,
-        min_tokens_rows=min_tokens_rows,
+        all_greedy=bool(ib.greedy[rows].all()),
+        params_f=params_f,
+        params_i=params_i,
+        seen=_seen_tokens(ib, rows) if ib.has_penalty[rows].any() else None,
+        banned=_banned_tokens(ib, rows, num_out),
         max_num_logprobs=max_num_logprobs,
     )
 
 
-def _build_penalties(
-    ib: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
-) -> Penalties:
-    n = len(rows)
-    prompt_mask = torch.zeros((n, vocab_size), dtype=torch.bool)
-    counts = torch.zeros((n, vocab_size), dtype=torch.float32)
-    for i, row in enumerate(rows.tolist()):
-        if not ib.has_penalty[row]:
+def _csr(lists: list[tuple[np.ndarray, np.ndarray] | None]) -> TokenLists:
+    lens = [0 if x is None else len(x[0]) for x in lists]
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    parts = [x for x in lists if x is not None]
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return TokenLists(offsets, empty, empty)
+    tokens = np.concatenate([t for t, _ in parts]).astype(np.int64, copy=False)
+    counts = np.concatenate([c for _, c in parts]).astype(np.int64, copy=False)
+    return TokenLists(offsets, tokens, counts)
+
+
+def _seen_tokens(ib: InputBatch, rows: np.ndarray) -> TokenLists:
+    """Each penalised row's distinct prompt and output tokens with their output
+    counts; the prompt's distinct tokens were found once, when the row was added."""
+    lists: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for row in rows.tolist():
+        state = ib.states[row]
+        if not ib.has_penalty[row] or state is None or state.prompt_tokens is None:
+            lists.append(None)
             continue
-        n_prompt = int(ib.num_prompt_tokens[row])
-        n_total = int(ib.num_tokens[row])
-        prompt = torch.from_numpy(ib.token_ids[row, :n_prompt].astype(np.int64))
-        prompt_mask[i, prompt] = True
-        if n_total > n_prompt:
-            outputs = torch.from_numpy(ib.token_ids[row, n_prompt:n_total].astype(np.int64))
-            counts[i] = torch.bincount(outputs, minlength=vocab_size)[:vocab_size].float()
-    return Penalties(
-        repetition=torch.from_numpy(ib.repetition_penalty[rows]).to(device),
-        frequency=torch.from_numpy(ib.frequency_penalty[rows]).to(device),
-        presence=torch.from_numpy(ib.presence_penalty[rows]).to(device),
-        prompt_mask=prompt_mask.to(device),
-        output_counts=counts.to(device),
-    )
+        n_prompt, n_total = int(ib.num_prompt_tokens[row]), int(ib.num_tokens[row])
+        out_tokens, out_counts = np.unique(ib.token_ids[row, n_prompt:n_total], return_counts=True)
+        tokens = np.union1d(state.prompt_tokens, out_tokens)
+        counts = np.zeros(len(tokens), dtype=np.int64)
+        counts[np.searchsorted(tokens, out_tokens)] = out_counts
+        lists.append((tokens, counts))
+    return _csr(lists)
+
+
+def _banned_tokens(ib: InputBatch, rows: np.ndarray, num_out: np.ndarray) -> TokenLists | None:
+    """The stop tokens of the rows that have not yet produced `min_tokens`."""
+    blocked = np.flatnonzero(num_out < ib.min_tokens[rows])
+    if len(blocked) == 0:
+        return None
+    lists: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(rows)
+    for i in blocked.tolist():
+        state = ib.states[rows[i]]
+        if state is not None and state.stop_token_ids:
+            ids = np.asarray(state.stop_token_ids, dtype=np.int64)
+            lists[i] = (ids, np.zeros(len(ids), dtype=np.int64))
+    return _csr(lists)

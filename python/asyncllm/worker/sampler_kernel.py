@@ -1,0 +1,63 @@
+"""The CPU sampler: the step's rows handed to the Rust kernel (`_core._sample`,
+rust/sampler) in one call, with the GIL released, on torch's threads. The inputs
+are the metadata's packed arrays as they are; only the outputs are allocated."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from asyncllm import _core
+from asyncllm.worker.sampler_reference import SamplerOutput
+from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+
+_NO_TOKENS = TokenLists(
+    np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+)
+
+
+def kernel_available() -> bool:
+    """False only with an extension built before the kernel existed."""
+    return hasattr(_core, "_sample")
+
+
+def _lists(lists: TokenLists | None, n: int) -> TokenLists:
+    if lists is not None:
+        return lists
+    return TokenLists(np.zeros(n + 1, dtype=np.int64), _NO_TOKENS.tokens, _NO_TOKENS.counts)
+
+
+def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> tuple[SamplerOutput, list[int]]:
+    """Samples every row of the CPU `logits` [n, vocab]; returns the output and the
+    rows whose logits had no finite maximum (sampled as their argmax)."""
+    logits = logits.float().contiguous()
+    n = logits.shape[0]
+    width = 0 if md.max_num_logprobs is None else md.max_num_logprobs + 1
+    sampled = torch.empty(n, dtype=torch.int64)
+    ranks = torch.empty(n, dtype=torch.int64)
+    ids = torch.empty((n, width), dtype=torch.int64)
+    values = torch.empty((n, width), dtype=torch.float32)
+    seen = _lists(md.seen, n)
+    banned = _lists(md.banned, n)
+    # The kernel reads `logits` in place with the GIL released: sound because this
+    # is the runner's thread and the tensor was just computed for this step; no
+    # other thread holds it. The outputs are fresh tensors.
+    nonfinite = _core._sample(
+        logits.numpy(),
+        md.params_f,
+        md.params_i,
+        seen.offsets,
+        seen.tokens,
+        seen.counts,
+        banned.offsets,
+        banned.tokens,
+        sampled.numpy(),
+        ranks.numpy(),
+        ids.numpy(),
+        values.numpy(),
+        torch.get_num_threads(),
+    )
+    out = SamplerOutput(sampled=sampled)
+    if width:
+        out.logprob_ids, out.logprob_values, out.logprob_ranks = ids, values, ranks
+    return out, nonfinite

@@ -1,0 +1,230 @@
+"""The torch sampler: dense and device-agnostic. It is the sampler on CUDA and the
+reference the CPU kernel (rust/sampler) is tested against, with the same
+semantics: penalties and `min_tokens` masks, greedy argmax, temperature, top-k
+(ties at the k-th value kept), top-p (the largest tokens while the mass before
+them is below top_p; ties at the boundary kept together), min-p (after top-k and
+top-p, relative to the largest probability), then the draw by inverse CDF with one
+uniform per row from Philox4x32-10 keyed by (seed, stream, output position) — the
+same numbers as the kernel's, so a seeded request's tokens depend on nothing else
+in the batch. Logprobs are of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.worker.input_batch import (
+    F_FREQUENCY,
+    F_MIN_P,
+    F_PRESENCE,
+    F_REPETITION,
+    F_TEMPERATURE,
+    F_TOP_P,
+    I_GREEDY,
+    I_POSITION,
+    I_SEED,
+    I_STREAM,
+    I_TOP_K,
+)
+from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled: torch.Tensor  # [n] int64
+    # logprobs of the raw model distribution: ids/values [n, 1 + N] (sampled first), ranks [n]
+    logprob_ids: torch.Tensor | None = None
+    logprob_values: torch.Tensor | None = None
+    logprob_ranks: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Penalties:
+    repetition: torch.Tensor  # [n] float32, 1.0 = off
+    frequency: torch.Tensor  # [n] float32
+    presence: torch.Tensor  # [n] float32
+    prompt_mask: torch.Tensor  # [n, vocab] bool: token seen (prompt or outputs)
+    output_counts: torch.Tensor  # [n, vocab] float32: occurrences among the outputs
+
+
+def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """Samples every row of `logits` [n, vocab] (any device) as `md` says."""
+    raw = logits.float()
+    logits = masked_logits(raw, md)
+    sampled = logits.argmax(dim=-1)
+    if not md.all_greedy:
+        probs = random_probs(logits, md)
+        u = philox_uniform(md, logits.device)
+        random = inverse_cdf(probs, u)
+        greedy = torch.from_numpy(md.params_i[:, I_GREEDY] != 0).to(logits.device)
+        sampled = torch.where(greedy, sampled, random)
+    out = SamplerOutput(sampled=sampled)
+    if md.max_num_logprobs is not None:
+        gather_logprobs(out, raw, sampled, md.max_num_logprobs)
+    return out
+
+
+def masked_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits after `min_tokens` bans (-inf) and penalties (a copy if any)."""
+    if md.banned is None and md.seen is None:
+        return raw
+    logits = raw.clone()
+    if md.banned is not None:
+        rows, tokens, _ = _coo(md.banned, raw.device)
+        logits[rows, tokens] = _NEG_INF
+    if md.seen is not None:
+        apply_penalties(logits, dense_penalties(md, raw.shape[1], raw.device))
+    return logits
+
+
+def _coo(lists: TokenLists, device: torch.device) -> tuple[torch.Tensor, ...]:
+    rows = np.repeat(np.arange(len(lists.offsets) - 1), np.diff(lists.offsets))
+    return tuple(torch.from_numpy(a).to(device) for a in (rows, lists.tokens, lists.counts))
+
+
+def dense_penalties(md: SamplingMetadata, vocab: int, device: torch.device) -> Penalties:
+    assert md.seen is not None
+    n = md.params_f.shape[0]
+    rows, tokens, counts = _coo(md.seen, device)
+    seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+    seen[rows, tokens] = True
+    output_counts = torch.zeros((n, vocab), dtype=torch.float32, device=device)
+    output_counts[rows, tokens] = counts.float()
+    f = torch.from_numpy(md.params_f).to(device)
+    return Penalties(f[:, F_REPETITION], f[:, F_FREQUENCY], f[:, F_PRESENCE], seen, output_counts)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """In place. Repetition (prompt and outputs) divides positive logits and
+    multiplies negative ones, as in the CTRL paper and transformers; frequency and
+    presence (outputs only) subtract, as in OpenAI's API."""
+    seen = p.prompt_mask | (p.output_counts > 0)
+    rep = p.repetition.unsqueeze(1).expand_as(logits)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, scaled, logits))
+    logits -= p.frequency.unsqueeze(1) * p.output_counts
+    logits -= p.presence.unsqueeze(1) * (p.output_counts > 0).to(logits.dtype)
+
+
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Each row's sampling distribution after temperature, top-k, top-p and min-p."""
+    device = logits.device
+    f = torch.from_numpy(md.params_f).to(device)
+    logits = logits / f[:, F_TEMPERATURE : F_TEMPERATURE + 1]
+    vocab = logits.shape[-1]
+    k = md.params_i[:, I_TOP_K]
+    top_k = (
+        torch.from_numpy(np.where((k > 0) & (k < vocab), k, vocab)).to(device)
+        if ((k > 0) & (k < vocab)).any()
+        else None
+    )
+    p = md.params_f[:, F_TOP_P]
+    top_p = f[:, F_TOP_P] if (p < 1.0).any() else None
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if (md.params_f[:, F_MIN_P] > 0).any():
+        max_p = probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < f[:, F_MIN_P : F_MIN_P + 1] * max_p, 0.0)
+    return probs
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p sets with -inf."""
+    if top_p is None:
+        assert top_k is not None
+        # Only top-k: a partial selection is much cheaper than a full sort.
+        vocab = logits.shape[-1]
+        enabled = top_k < vocab
+        max_k = int(top_k[enabled].max()) if bool(enabled.any()) else vocab
+        top_vals = logits.topk(max_k, dim=-1).values
+        kth = top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+        kth = kth.masked_fill(~enabled.unsqueeze(1), _NEG_INF)
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    sorted_logits, _ = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(min=0).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    # `drop` is a prefix: the first kept value is the cut, and every token at or
+    # above it stays (tokens tied at the boundary are kept together)
+    cut = sorted_logits.gather(1, drop.sum(dim=-1, keepdim=True))
+    return logits.masked_fill(logits < cut, _NEG_INF)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token where each row's cumulative probability (index order) first
+    exceeds u × its total."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+_MASK = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a × b for a constant a < 2^32 and int64 b < 2^32,
+    without int64 overflow (16-bit halves of a)."""
+    p1 = (a & 0xFFFF) * b  # < 2^48
+    p2 = (a >> 16) * b  # < 2^48
+    lo_sum = (p1 & _MASK) + ((p2 & 0xFFFF) << 16)
+    hi = (p1 >> 32) + (p2 >> 16) + (lo_sum >> 32)
+    return hi & _MASK, lo_sum & _MASK
+
+
+def philox4x32_10(ctr: list[torch.Tensor], key: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Philox4x32-10 on int64 tensors holding 32-bit words (rust/sampler/philox.rs)."""
+    c0, c1, c2, c3 = ctr
+    k0, k1 = key
+    for r in range(10):
+        if r > 0:
+            k0 = (k0 + 0x9E3779B9) & _MASK
+            k1 = (k1 + 0xBB67AE85) & _MASK
+        hi0, lo0 = _mulhilo(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def philox_uniform(md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """[n] float64 in [0, 1): each row's uniform, as the kernel computes it."""
+    i = torch.from_numpy(md.params_i).to(device)
+
+    def words(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x & _MASK, (x >> 32) & _MASK]
+
+    seed, stream, pos = i[:, I_SEED], i[:, I_STREAM], i[:, I_POSITION]
+    x = philox4x32_10(words(pos) + words(stream), words(seed))
+    bits = (x[0] << 21) | (x[1] >> 11)
+    return bits.double() * 2.0**-53
+
+
+def gather_logprobs(
+    out: SamplerOutput, logits: torch.Tensor, sampled: torch.Tensor, num: int
+) -> None:
+    """Logprobs of the raw distribution as logit - logsumexp: no log-softmax copy of
+    the [n, vocab] logits is made. Ranks and the top `num` compare logits, which
+    order tokens as their logprobs do."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    sampled_logit = logits.gather(1, sampled.unsqueeze(1))
+    out.logprob_ranks = (logits > sampled_logit).sum(dim=-1) + 1
+    sampled_lp = sampled_logit - lse
+    if num > 0:
+        top_logit, top_ids = logits.topk(num, dim=-1)
+        out.logprob_ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
+        out.logprob_values = torch.cat([sampled_lp, top_logit - lse], dim=1)
+    else:
+        out.logprob_ids = sampled.unsqueeze(1)
+        out.logprob_values = sampled_lp

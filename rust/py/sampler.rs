@@ -1,0 +1,206 @@
+//! Python binding of the CPU sampler (`crate::sampler`). The small per-row
+//! inputs are copied and validated with the GIL held; the logits are read in
+//! place through a raw-pointer view (as `py::kernels` reads the KV cache); the
+//! GIL is released for the kernel, which writes the caller's output buffers.
+
+use pyo3::buffer::{Element, PyBuffer};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::kernels::{buffer, byte_range, data_ptr};
+use crate::error::Error;
+use crate::sampler::{self, Batch, Outputs, RowParams, TokenLists};
+
+/// Columns of `params_f` and `params_i` (python/asyncllm/worker/input_batch.py).
+const NUM_F: usize = 6;
+const NUM_I: usize = 6;
+
+fn err(msg: String) -> PyErr {
+    PyValueError::new_err(msg)
+}
+
+/// A copy of a 1-D int64 buffer converted to `U`, or a `ValueError` naming the
+/// argument and the bad value.
+fn ints<U: TryFrom<i64>>(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<U>> {
+    let buf = buffer::<i64>(obj, name, "int64", 1)?;
+    buf.to_vec(py)?
+        .into_iter()
+        .map(|v| U::try_from(v).map_err(|_| err(format!("{name} holds {v}, out of range"))))
+        .collect()
+}
+
+fn writable<T: Element>(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    dtype: &str,
+    ndim: usize,
+) -> PyResult<PyBuffer<T>> {
+    let buf = buffer::<T>(obj, name, dtype, ndim)?;
+    if buf.readonly() {
+        return Err(err(format!("{name} must be writable")));
+    }
+    Ok(buf)
+}
+
+/// The rows' parameters from `params_f` `[n, 6]` f32 (temperature, top_p,
+/// min_p, repetition, frequency, presence) and `params_i` `[n, 6]` i64 (greedy,
+/// top_k, num_logprobs, seed bits, stream bits, output position).
+fn row_params(f: &[f32], i: &[i64]) -> PyResult<Vec<RowParams>> {
+    f.chunks_exact(NUM_F)
+        .zip(i.chunks_exact(NUM_I))
+        .enumerate()
+        .map(|(r, (f, i))| {
+            let num_logprobs = i32::try_from(i[2])
+                .ok()
+                .filter(|&n| n >= -1)
+                .ok_or_else(|| err(format!("row {r}: num_logprobs {} is not in -1..2^31", i[2])))?;
+            if i[1] < 0 || i[5] < 0 {
+                return Err(err(format!(
+                    "row {r}: top_k {} and position {} must be >= 0",
+                    i[1], i[5]
+                )));
+            }
+            Ok(RowParams {
+                greedy: i[0] != 0,
+                temperature: f[0],
+                top_k: u32::try_from(i[1]).unwrap_or(u32::MAX), // >= vocab: off
+                top_p: f[1],
+                min_p: f[2],
+                repetition: f[3],
+                frequency: f[4],
+                presence: f[5],
+                seed: i[3] as u64, // the bits of a uint64
+                stream: i[4] as u64,
+                position: i[5] as u64,
+                num_logprobs,
+            })
+        })
+        .collect()
+}
+
+/// Samples every row of `logits` `[n, vocab]` f32 (see `crate::sampler` for the
+/// semantics). Per-row parameters: `params_f`/`params_i` (`row_params`); token
+/// lists in CSR form (int64): `seen_offsets` `[n + 1]`, `seen_tokens` and
+/// `seen_counts` (occurrences among the outputs), `banned_offsets` `[n + 1]` and
+/// `banned_tokens`. Writes `sampled` `[n]` and `ranks` `[n]` (int64) and
+/// `logprob_ids` `[n, w]` int64 / `logprob_values` `[n, w]` f32 (w = 0, or at
+/// least 1 + every row's num_logprobs). Returns the rows whose logits had no
+/// finite maximum. Raises `ValueError`, writing nothing, on a bad argument.
+///
+/// Private to the package (`_sample`): its one caller,
+/// `asyncllm.worker.sampler_kernel.sample_cpu`, keeps the promise the GIL can
+/// no longer keep once it is released: no other thread writes `logits` or
+/// touches the outputs meanwhile. Everything else is copied first.
+#[pyfunction(name = "_sample")]
+#[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
+fn sample(
+    py: Python<'_>,
+    logits: &Bound<'_, PyAny>,
+    params_f: &Bound<'_, PyAny>,
+    params_i: &Bound<'_, PyAny>,
+    seen_offsets: &Bound<'_, PyAny>,
+    seen_tokens: &Bound<'_, PyAny>,
+    seen_counts: &Bound<'_, PyAny>,
+    banned_offsets: &Bound<'_, PyAny>,
+    banned_tokens: &Bound<'_, PyAny>,
+    sampled: &Bound<'_, PyAny>,
+    ranks: &Bound<'_, PyAny>,
+    logprob_ids: &Bound<'_, PyAny>,
+    logprob_values: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<Vec<usize>> {
+    let logits = buffer::<f32>(logits, "logits", "float32", 2)?;
+    let (n, vocab) = (logits.shape()[0], logits.shape()[1]);
+    let pf = buffer::<f32>(params_f, "params_f", "float32", 2)?;
+    let pi = buffer::<i64>(params_i, "params_i", "int64", 2)?;
+    if pf.shape() != [n, NUM_F] || pi.shape() != [n, NUM_I] {
+        return Err(err(format!(
+            "params_f and params_i must be [{n}, 6] for logits {:?}, got {:?} and {:?}",
+            logits.shape(),
+            pf.shape(),
+            pi.shape()
+        )));
+    }
+    let rows = row_params(&pf.to_vec(py)?, &pi.to_vec(py)?)?;
+    let seen_offsets: Vec<usize> = ints(py, seen_offsets, "seen_offsets")?;
+    let seen_tokens: Vec<u32> = ints(py, seen_tokens, "seen_tokens")?;
+    let seen_counts: Vec<u32> = ints(py, seen_counts, "seen_counts")?;
+    let banned_offsets: Vec<usize> = ints(py, banned_offsets, "banned_offsets")?;
+    let banned_tokens: Vec<u32> = ints(py, banned_tokens, "banned_tokens")?;
+    let sampled = writable::<i64>(sampled, "sampled", "int64", 1)?;
+    let ranks = writable::<i64>(ranks, "ranks", "int64", 1)?;
+    let ids = writable::<i64>(logprob_ids, "logprob_ids", "int64", 2)?;
+    let values = writable::<f32>(logprob_values, "logprob_values", "float32", 2)?;
+    let width = ids.shape()[1];
+    if sampled.shape() != [n]
+        || ranks.shape() != [n]
+        || ids.shape() != [n, width]
+        || values.shape() != [n, width]
+    {
+        return Err(err(format!(
+            "outputs must be sampled [{n}], ranks [{n}], logprob_ids and logprob_values [{n}, w]; got {:?}, {:?}, {:?}, {:?}",
+            sampled.shape(),
+            ranks.shape(),
+            ids.shape(),
+            values.shape()
+        )));
+    }
+    let ranges = [
+        byte_range(&logits),
+        byte_range(&sampled),
+        byte_range(&ranks),
+        byte_range(&ids),
+        byte_range(&values),
+    ];
+    for (a, ra) in ranges.iter().enumerate() {
+        for rb in &ranges[a + 1..] {
+            if ra.0 < ra.1 && rb.0 < rb.1 && ra.0 < rb.1 && rb.0 < ra.1 {
+                return Err(err("logits and the four outputs must not overlap".into()));
+            }
+        }
+    }
+    // SAFETY: `logits` is a C-contiguous (checked by `buffer`) f32 buffer whose
+    // pointer pyo3 checked to be aligned (non-null: `data_ptr`), valid for reads
+    // of its `item_count` elements while the `PyBuffer` is held: until this
+    // function returns, which outlives every use of the slice. No one writes it
+    // meanwhile: the exporter cannot resize a buffer with an export outstanding,
+    // the outputs (the only memory written here) were checked not to overlap it,
+    // and the sole caller (see above) computed it on the thread blocked in this
+    // call and shares it with no other.
+    let logits_view = unsafe { std::slice::from_raw_parts(data_ptr(&logits), logits.item_count()) };
+    // SAFETY (the four outputs): each is C-contiguous, aligned (pyo3 checked),
+    // writable (checked) and valid for its `item_count` elements while its
+    // `PyBuffer` is held, i.e. for all of this function; they overlap neither
+    // each other nor `logits` (checked above) and the rest are copies. They are
+    // exclusively ours for the call: the sole caller passes tensors it has just
+    // allocated and shares with no other thread.
+    let out = unsafe {
+        Outputs {
+            sampled: std::slice::from_raw_parts_mut(data_ptr(&sampled), sampled.item_count()),
+            ranks: std::slice::from_raw_parts_mut(data_ptr(&ranks), ranks.item_count()),
+            logprob_ids: std::slice::from_raw_parts_mut(data_ptr(&ids), ids.item_count()),
+            logprob_values: std::slice::from_raw_parts_mut(data_ptr(&values), values.item_count()),
+            width,
+        }
+    };
+    let batch = Batch {
+        logits: logits_view,
+        vocab,
+        rows: &rows,
+        seen: TokenLists {
+            offsets: &seen_offsets,
+            tokens: &seen_tokens,
+        },
+        seen_counts: &seen_counts,
+        banned: TokenLists {
+            offsets: &banned_offsets,
+            tokens: &banned_tokens,
+        },
+    };
+    py.detach(|| sampler::sample(&batch, out, num_threads))
+        .map_err(|e| Error::from(e).into())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(sample, m)?)
+}

@@ -1,0 +1,498 @@
+//! The CPU sampler: one call per step samples every row of a `[rows, vocab]`
+//! f32 logits matrix. Pure Rust (no pyo3): `py::sampler` is its binding and
+//! `asyncllm.worker.sampler_reference` the torch code whose semantics it keeps.
+//!
+//! Per row, reading the logits in place (never copying the row):
+//! - `min_tokens` bans (-inf) and repetition/frequency/presence penalties are a
+//!   short sorted list of changed entries (`penalties`), only over the tokens
+//!   the request has seen;
+//! - greedy rows: the argmax (first index of the maximum);
+//! - `top_k` set: one pass keeps the candidates >= the k-th largest (ties at the
+//!   boundary kept, as in the reference), then temperature, top-p and min-p work
+//!   on those few sorted candidates;
+//! - otherwise: one pass writes exp((logit - max) / temperature) to scratch with
+//!   64-entry chunk sums; top-p finds its floor by a quickselect on the mass,
+//!   min-p's floor is `min_p` itself (the maximum's exponential is 1);
+//! - the draw: inverse CDF with ONE uniform, Philox4x32-10 keyed by the row's
+//!   `seed` with counter (`position`, `stream`), so a token depends only on the
+//!   request's seed, stream and output position, never on the batch.
+//!
+//! Top-p keeps the largest tokens while the mass of those before them is below
+//! `top_p`; tokens tied at the boundary are kept together (the reference keeps
+//! them together too). Min-p keeps tokens with probability >= `min_p` × the
+//! largest, after top-k and top-p, as the reference does.
+//!
+//! Logprobs (`num_logprobs >= 0`) are of the RAW logits (before penalties,
+//! bans and temperature): the sampled token's logprob and rank (1 + the number
+//! of tokens with a strictly larger logit), then the `num_logprobs` largest,
+//! lower index first among equal logits.
+//!
+//! Non-finite logits: NaN is ignored (never sampled, no mass). A row whose
+//! largest (changed) logit is +inf or -inf, or that is all NaN, is not sampled
+//! at random: it gets its argmax (the first +inf; the first -inf; token 0 if all
+//! NaN) and its index is returned in `nonfinite` so the caller can report it.
+//! Logprobs of a row whose raw maximum is not finite are NaN (as torch's
+//! log_softmax gives), its ranks still count larger logits.
+
+mod penalties;
+mod philox;
+mod select;
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Mutex, PoisonError};
+
+use rayon::prelude::*;
+
+use crate::kernels::team::{self, Team};
+use crate::kernels::KernelError;
+
+pub use philox::{philox4x32_10, uniform};
+
+/// One row's sampling parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct RowParams {
+    /// An argmax: every field below but the logprobs is ignored.
+    pub greedy: bool,
+    /// > 0 and finite for a random row.
+    pub temperature: f32,
+    /// 0 = off; >= vocab is off too.
+    pub top_k: u32,
+    /// In (0, 1]; 1 = off.
+    pub top_p: f32,
+    /// In [0, 1]; 0 = off.
+    pub min_p: f32,
+    /// > 0; 1 = off.
+    pub repetition: f32,
+    pub frequency: f32,
+    pub presence: f32,
+    /// Philox key and counter: see `uniform`.
+    pub seed: u64,
+    pub stream: u64,
+    pub position: u64,
+    /// -1 = no logprobs, else how many top logprobs besides the sampled one.
+    pub num_logprobs: i32,
+}
+
+/// Per-row token lists in CSR form: row r's are `tokens[offsets[r]..offsets[r+1]]`.
+#[derive(Clone, Copy)]
+pub struct TokenLists<'a> {
+    pub offsets: &'a [usize],
+    pub tokens: &'a [u32],
+}
+
+/// Everything one call reads.
+pub struct Batch<'a> {
+    /// `[rows, vocab]` row-major.
+    pub logits: &'a [f32],
+    pub vocab: usize,
+    pub rows: &'a [RowParams],
+    /// The tokens each row has seen (prompt or outputs), each once, and
+    /// `seen_counts` (parallel to `seen.tokens`): occurrences among the outputs.
+    pub seen: TokenLists<'a>,
+    pub seen_counts: &'a [u32],
+    /// The tokens each row may not sample yet (`min_tokens`).
+    pub banned: TokenLists<'a>,
+}
+
+/// Where one call writes.
+pub struct Outputs<'a> {
+    /// `[rows]`: the sampled token of each row.
+    pub sampled: &'a mut [i64],
+    /// `[rows]`: 1 + the number of tokens whose raw logit is larger than the
+    /// sampled one's (0 on rows without logprobs).
+    pub ranks: &'a mut [i64],
+    /// `[rows, width]`: the sampled token, then the top `num_logprobs`; padded
+    /// with id -1 and NaN. `width` may be 0 when no row wants logprobs.
+    pub logprob_ids: &'a mut [i64],
+    pub logprob_values: &'a mut [f32],
+    pub width: usize,
+}
+
+/// Samples every row; returns the rows with non-finite logits (see the module
+/// docs). Checks every argument before writing anything. `num_threads` (at
+/// least 1) threads share the rows (see `kernels::team` for which threads).
+pub fn sample(
+    batch: &Batch<'_>,
+    out: Outputs<'_>,
+    num_threads: usize,
+) -> Result<Vec<usize>, KernelError> {
+    check(batch, &out, num_threads)?;
+    let n = batch.rows.len();
+    let width = out.width;
+    let mut items: Vec<RowOut<'_>> = Vec::with_capacity(n);
+    let mut ids = out.logprob_ids.chunks_mut(width.max(1));
+    let mut vals = out.logprob_values.chunks_mut(width.max(1));
+    for (r, (s, k)) in out.sampled.iter_mut().zip(out.ranks.iter_mut()).enumerate() {
+        let (i, v): (&mut [i64], &mut [f32]) = if width == 0 {
+            (&mut [], &mut [])
+        } else {
+            (
+                ids.next().unwrap_or_default(),
+                vals.next().unwrap_or_default(),
+            )
+        };
+        items.push(RowOut {
+            row: r,
+            sampled: s,
+            rank: k,
+            ids: i,
+            values: v,
+            nonfinite: false,
+        });
+    }
+    let isa = Isa::detect();
+    let new_scratch = || Scratch::new(batch.vocab);
+    if num_threads == 1 || n <= 1 {
+        let mut scratch = new_scratch();
+        for item in items.iter_mut() {
+            isa.row(batch, item, &mut scratch);
+        }
+    } else {
+        match Team::get(num_threads)? {
+            #[cfg(target_os = "linux")]
+            Team::Omp(parallel) => {
+                let queue = Mutex::new(items.iter_mut());
+                team::run_on_omp(parallel, num_threads, &|| {
+                    let mut scratch = new_scratch();
+                    loop {
+                        // Only `next` runs under the lock and it cannot panic.
+                        let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+                        let Some(item) = next else { break };
+                        isa.row(batch, item, &mut scratch);
+                    }
+                })?;
+            }
+            Team::Rayon => team::pool(num_threads)?.install(|| {
+                items
+                    .par_iter_mut()
+                    .for_each_init(new_scratch, |scratch, item| isa.row(batch, item, scratch))
+            }),
+        }
+    }
+    Ok(items
+        .iter()
+        .filter(|i| i.nonfinite)
+        .map(|i| i.row)
+        .collect())
+}
+
+fn bad(msg: String) -> KernelError {
+    KernelError::Shape(msg)
+}
+
+fn check(b: &Batch<'_>, out: &Outputs<'_>, num_threads: usize) -> Result<(), KernelError> {
+    let n = b.rows.len();
+    if num_threads == 0 {
+        return Err(bad("num_threads must be at least 1".into()));
+    }
+    if b.vocab == 0 || b.vocab > u32::MAX as usize {
+        return Err(bad(format!("vocab must be in 1..2^32, got {}", b.vocab)));
+    }
+    if b.logits.len() != n * b.vocab {
+        return Err(bad(format!(
+            "logits must be [rows={n}, vocab={}], got {} values",
+            b.vocab,
+            b.logits.len()
+        )));
+    }
+    if out.sampled.len() != n || out.ranks.len() != n {
+        return Err(bad(format!("sampled and ranks must have {n} entries")));
+    }
+    if out.logprob_ids.len() != n * out.width || out.logprob_values.len() != n * out.width {
+        return Err(bad(format!("logprob outputs must be [{n}, {}]", out.width)));
+    }
+    check_lists(&b.seen, n, b.vocab, "seen")?;
+    check_lists(&b.banned, n, b.vocab, "banned")?;
+    if b.seen_counts.len() != b.seen.tokens.len() {
+        return Err(bad("seen_counts must be as long as seen_tokens".into()));
+    }
+    for (r, p) in b.rows.iter().enumerate() {
+        if p.num_logprobs >= 0 && p.num_logprobs as usize + 1 > out.width {
+            return Err(bad(format!(
+                "row {r}: num_logprobs {} needs logprob outputs of width {}, got {}",
+                p.num_logprobs,
+                p.num_logprobs + 1,
+                out.width
+            )));
+        }
+        let finite = p.frequency.is_finite() && p.presence.is_finite();
+        if !(p.repetition > 0.0 && p.repetition.is_finite() && finite) {
+            return Err(bad(format!(
+                "row {r}: penalties must be finite and repetition > 0, got {p:?}"
+            )));
+        }
+        if p.greedy {
+            continue;
+        }
+        if !(p.temperature > 0.0 && p.temperature.is_finite()) {
+            return Err(bad(format!(
+                "row {r}: temperature must be > 0 and finite, got {}",
+                p.temperature
+            )));
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return Err(bad(format!(
+                "row {r}: top_p must be in (0, 1], got {}",
+                p.top_p
+            )));
+        }
+        if !(0.0..=1.0).contains(&p.min_p) {
+            return Err(bad(format!(
+                "row {r}: min_p must be in [0, 1], got {}",
+                p.min_p
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_lists(l: &TokenLists<'_>, n: usize, vocab: usize, name: &str) -> Result<(), KernelError> {
+    if l.offsets.len() != n + 1 || l.offsets[0] != 0 || l.offsets[n] != l.tokens.len() {
+        return Err(bad(format!(
+            "{name}_offsets must be {} nondecreasing offsets from 0 to {}",
+            n + 1,
+            l.tokens.len()
+        )));
+    }
+    if l.offsets.windows(2).any(|w| w[0] > w[1]) {
+        return Err(bad(format!("{name}_offsets must be nondecreasing")));
+    }
+    if let Some(t) = l.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(bad(format!("{name} token {t} is not in 0..{vocab}")));
+    }
+    Ok(())
+}
+
+/// One row's slice of the outputs.
+struct RowOut<'a> {
+    row: usize,
+    sampled: &'a mut i64,
+    rank: &'a mut i64,
+    ids: &'a mut [i64],
+    values: &'a mut [f32],
+    nonfinite: bool,
+}
+
+/// A thread's working memory, sized for one row.
+struct Scratch {
+    e: Vec<f32>,
+    e2: Vec<f32>,
+    sums: Vec<f32>,
+    ov: Vec<(u32, f32)>,
+    cands: Vec<(f32, u32)>,
+}
+
+impl Scratch {
+    fn new(vocab: usize) -> Self {
+        Scratch {
+            e: Vec::new(),
+            e2: Vec::new(),
+            sums: vec![0.0; vocab.div_ceil(select::CHUNK)],
+            ov: Vec::new(),
+            cands: Vec::new(),
+        }
+    }
+}
+
+/// The instruction sets the row function is compiled for.
+#[derive(Clone, Copy)]
+enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Isa::Avx2Fma;
+        }
+        Isa::Portable
+    }
+
+    fn row(self, b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
+        match self {
+            Isa::Portable => row(b, o, s),
+            // SAFETY: `Avx2Fma` is only constructed where the CPU has AVX2 and
+            // FMA (`detect`).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => unsafe { row_avx2_fma(b, o, s) },
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn row_avx2_fma(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
+    row(b, o, s)
+}
+
+#[inline(always)]
+fn row(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
+    let r = o.row;
+    let p = &b.rows[r];
+    let v = b.vocab;
+    let logits = &b.logits[r * v..(r + 1) * v];
+    let (s0, s1) = (b.seen.offsets[r], b.seen.offsets[r + 1]);
+    let (b0, b1) = (b.banned.offsets[r], b.banned.offsets[r + 1]);
+    penalties::overrides(
+        logits,
+        p,
+        &b.seen.tokens[s0..s1],
+        &b.seen_counts[s0..s1],
+        &b.banned.tokens[b0..b1],
+        &mut s.ov,
+    );
+    let (token, nonfinite) = if p.greedy {
+        let (i, m) = argmax(logits, &s.ov);
+        (i, !m.is_finite())
+    } else if p.top_k > 0 && (p.top_k as usize) < v {
+        sample_top_k(logits, p, s)
+    } else {
+        sample_full(logits, p, s)
+    };
+    *o.sampled = token as i64;
+    o.nonfinite = nonfinite;
+    if p.num_logprobs >= 0 {
+        logprobs(logits, token, p.num_logprobs as usize, o, s);
+    } else {
+        *o.rank = 0;
+    }
+}
+
+/// The first index of the largest changed logit (NaN ignored; 0 if all NaN)
+/// and that logit.
+#[inline(always)]
+fn argmax(row: &[f32], ov: &[(u32, f32)]) -> (usize, f32) {
+    let mut best: Option<(usize, f32)> = None;
+    penalties::segments(row, ov, |start, xs| {
+        let m = select::max(xs); // -inf when all NaN: then `position` finds none
+        if best.is_none_or(|b| m > b.1) {
+            if let Some(i) = xs.iter().position(|&x| x == m) {
+                best = Some((start + i, m));
+            }
+        }
+    });
+    best.unwrap_or((0, f32::NAN))
+}
+
+/// The draw of a row with `top_k` in 1..vocab: among the candidates only.
+#[inline(always)]
+fn sample_top_k(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
+    let mut sel = select::TopK::new(p.top_k as usize, std::mem::take(&mut s.cands));
+    if s.ov.is_empty() {
+        sel.push_all(row, &mut s.e2);
+    } else {
+        penalties::segments(row, &s.ov, |start, xs| sel.push(start, xs));
+    }
+    let cands = sel.finish();
+    let result = draw_sorted(&cands, p);
+    s.cands = cands;
+    result
+}
+
+/// Temperature, top-p, min-p and the draw over candidates sorted largest first.
+fn draw_sorted(cands: &[(f32, u32)], p: &RowParams) -> (usize, bool) {
+    let Some(&(m, first)) = cands.first() else {
+        return (0, true); // all NaN
+    };
+    if !m.is_finite() {
+        return (first as usize, true);
+    }
+    let inv_t = 1.0 / f64::from(p.temperature);
+    let e = |x: f32| ((f64::from(x) - f64::from(m)) * inv_t).exp();
+    let total: f64 = cands.iter().map(|c| e(c.0)).sum();
+    // top-p: keep while the mass before is below top_p (ties kept together)
+    let mut kept = cands.len();
+    if p.top_p < 1.0 {
+        let limit = f64::from(p.top_p) * total;
+        let mut before = 0.0;
+        for (i, c) in cands.iter().enumerate() {
+            if before >= limit && c.0 != cands[i - 1].0 {
+                kept = i;
+                break;
+            }
+            before += e(c.0);
+        }
+    }
+    // min-p: probability >= min_p × the largest's, whose exponential is 1
+    if p.min_p > 0.0 {
+        let floor = f64::from(p.min_p);
+        kept = cands[..kept]
+            .iter()
+            .take_while(|c| e(c.0) >= floor)
+            .count()
+            .max(1);
+    }
+    let kept = &cands[..kept];
+    let mass: f64 = kept.iter().map(|c| e(c.0)).sum();
+    let target = uniform(p.seed, p.stream, p.position) * mass;
+    let mut acc = 0.0;
+    for c in kept {
+        acc += e(c.0);
+        if acc > target {
+            return (c.1 as usize, false);
+        }
+    }
+    (kept[kept.len() - 1].1 as usize, false)
+}
+
+/// The draw of a row without top-k: exponentials of the whole row in scratch.
+#[inline(always)]
+fn sample_full(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
+    let (first, m) = argmax(row, &s.ov);
+    if !m.is_finite() {
+        return (first, true);
+    }
+    let inv_t = 1.0 / p.temperature;
+    s.e.resize(row.len(), 0.0);
+    let e = &mut s.e;
+    penalties::segments(row, &s.ov, |start, xs| {
+        select::exp_into(xs, m, inv_t, &mut e[start..start + xs.len()]);
+    });
+    let mut mass = select::chunk_sums(e, 0.0, &mut s.sums);
+    let mut floor = 0.0f32;
+    if p.top_p < 1.0 {
+        floor = select::top_p_floor(e, f64::from(p.top_p) * mass, &mut s.e2);
+    }
+    if p.min_p > 0.0 {
+        floor = floor.max(p.min_p);
+    }
+    if floor > 0.0 {
+        mass = select::chunk_sums(e, floor, &mut s.sums);
+    }
+    let target = uniform(p.seed, p.stream, p.position) * mass;
+    match select::inverse_cdf(e, &s.sums, floor, target) {
+        Some(i) => (i, false),
+        None => (first, false), // unreachable: the maximum has exponential 1
+    }
+}
+
+/// The raw logits' logprobs of `token` and of the row's top `num`.
+#[inline(always)]
+fn logprobs(row: &[f32], token: usize, num: usize, o: &mut RowOut<'_>, s: &mut Scratch) {
+    let m = select::max(row);
+    let lse = if m.is_finite() {
+        f64::from(m) + select::sum_exp(row, m).ln()
+    } else {
+        f64::NAN
+    };
+    let lp = |x: f32| (f64::from(x) - lse) as f32;
+    *o.rank = 1 + select::count_greater(row, row[token]) as i64;
+    o.ids.fill(-1);
+    o.values.fill(f32::NAN);
+    o.ids[0] = token as i64;
+    o.values[0] = lp(row[token]);
+    if num > 0 {
+        let mut sel = select::TopK::new(num, std::mem::take(&mut s.cands));
+        sel.push(0, row);
+        let top = sel.finish();
+        for (j, c) in top.iter().take(num).enumerate() {
+            o.ids[1 + j] = i64::from(c.1);
+            o.values[1 + j] = lp(c.0);
+        }
+        s.cands = top;
+    }
+}

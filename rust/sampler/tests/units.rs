@@ -1,0 +1,492 @@
+//! The pieces on their own: Philox, the exponential, the selections, greedy,
+//! batch independence, logprobs, non-finite rows, bad arguments.
+
+use super::super::select::{self, TopK};
+use super::*;
+
+#[test]
+fn philox_known_answers() {
+    // Random123's kat_vectors for philox4x32_10
+    assert_eq!(
+        philox4x32_10([0; 4], [0; 2]),
+        [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+    );
+    assert_eq!(
+        philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+        [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
+    );
+    assert_eq!(
+        philox4x32_10(
+            [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
+            [0xa4093822, 0x299f31d0]
+        ),
+        [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+    );
+}
+#[test]
+fn uniforms_are_in_range_and_keyed() {
+    let mut sum = 0.0;
+    for pos in 0..10_000 {
+        let u = uniform(5, 0, pos);
+        assert!((0.0..1.0).contains(&u));
+        sum += u;
+    }
+    assert!((sum / 10_000.0 - 0.5).abs() < 0.02);
+    assert_ne!(uniform(5, 0, 0), uniform(6, 0, 0));
+    assert_ne!(uniform(5, 0, 0), uniform(5, 1, 0));
+    assert_ne!(uniform(5, 0, 0), uniform(5, 0, 1));
+}
+#[test]
+fn fast_exp_is_accurate() {
+    let mut x = -87.0f32;
+    while x < 0.5 {
+        let got = f64::from(select::exp(x));
+        let want = f64::from(x).exp();
+        assert!(
+            ((got - want) / want).abs() < 5e-7,
+            "exp({x}) = {got}, want {want}"
+        );
+        x += 0.0137;
+    }
+    assert_eq!(select::exp(f32::NEG_INFINITY), 0.0);
+    assert_eq!(select::exp(f32::NAN), 0.0);
+}
+#[test]
+fn top_k_candidates_match_a_sort() {
+    let mut g = Lcg(1);
+    for (n, k) in [(1000, 1), (1000, 50), (5000, 700), (37, 40), (3000, 3000)] {
+        // few distinct values: many ties
+        let row: Vec<f32> = g.logits(n, 8.0).iter().map(|x| x.round()).collect();
+        let mut sel = TopK::new(k, Vec::new());
+        for (i, part) in row.chunks(333).enumerate() {
+            sel.push(i * 333, part);
+        }
+        let got = sel.finish();
+        let mut whole = TopK::new(k, Vec::new());
+        whole.push_all(&row, &mut Vec::new());
+        assert_eq!(whole.finish(), got, "n {n} k {k}: push_all");
+        let mut sorted = row.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[k.min(n) - 1];
+        let want: Vec<usize> = (0..n).filter(|&i| row[i] >= kth).collect();
+        let mut got_ids: Vec<usize> = got.iter().map(|c| c.1 as usize).collect();
+        got_ids.sort();
+        assert_eq!(got_ids, want, "n {n} k {k}");
+        assert!(got
+            .windows(2)
+            .all(|w| w[0].0 > w[1].0 || (w[0].0 == w[1].0 && w[0].1 < w[1].1)));
+    }
+}
+#[test]
+fn top_p_floor_matches_a_sort() {
+    let mut g = Lcg(2);
+    for trial in 0..200 {
+        let n = 1 + trial * 7;
+        let e: Vec<f32> = g
+            .logits(n, 1.0)
+            .iter()
+            .map(|x| ((x + 0.5) * 6.0).round() / 6.0)
+            .collect();
+        let total: f64 = e.iter().map(|&x| f64::from(x)).sum();
+        let p = f64::from(g.next()).max(0.01);
+        let mut sorted = e.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let mut before = 0.0;
+        let mut want = f32::INFINITY;
+        for &x in &sorted {
+            if before >= p * total {
+                break;
+            }
+            before += f64::from(x);
+            want = x;
+        }
+        let got = select::top_p_floor(&e, p * total, &mut Vec::new());
+        assert_eq!(got, want, "trial {trial}");
+    }
+}
+#[test]
+fn greedy_is_the_first_argmax_after_changes() {
+    let row = [1.0, 3.0, f32::NAN, 3.0, 2.0];
+    let g = RowParams {
+        greedy: true,
+        ..params()
+    };
+    assert_eq!(run(&row, 5, &[g], &[], 1).0, [1]);
+    let ban = [Extra {
+        seen: &[],
+        counts: &[],
+        banned: &[1],
+    }];
+    assert_eq!(run(&row, 5, &[g], &ban, 1).0, [3]);
+    let rep = RowParams {
+        repetition: 2.0,
+        ..g
+    };
+    let seen = [Extra {
+        seen: &[1, 3],
+        counts: &[0, 0],
+        banned: &[],
+    }];
+    assert_eq!(run(&row, 5, &[rep], &seen, 1).0, [4]);
+}
+#[test]
+fn tiny_top_p_and_top_k_1_are_greedy() {
+    let mut g = Lcg(5);
+    let row = g.logits(1000, 4.0);
+    let want = run(
+        &row,
+        1000,
+        &[RowParams {
+            greedy: true,
+            ..params()
+        }],
+        &[],
+        1,
+    )
+    .0[0];
+    for pos in 0..200 {
+        for p in [
+            RowParams {
+                top_p: 1e-6,
+                ..params()
+            },
+            RowParams {
+                top_k: 1,
+                ..params()
+            },
+        ] {
+            assert_eq!(
+                run(&row, 1000, &[RowParams { position: pos, ..p }], &[], 1).0[0],
+                want
+            );
+        }
+    }
+}
+#[test]
+fn a_row_draws_the_same_alone_and_in_any_batch() {
+    let mut g = Lcg(6);
+    let vocab = 2000;
+    let n = 50;
+    let logits = g.logits(n * vocab, 8.0);
+    let rows: Vec<RowParams> = (0..n)
+        .map(|i| RowParams {
+            seed: i as u64 % 3,
+            stream: i as u64,
+            position: i as u64 * 11,
+            top_k: [0, 40][i % 2],
+            top_p: [1.0, 0.9][i % 3 / 2],
+            greedy: i % 7 == 0,
+            ..params()
+        })
+        .collect();
+    let (batched, _) = run(&logits, vocab, &rows, &[], 3);
+    let (single, _) = run(&logits, vocab, &rows, &[], 1);
+    assert_eq!(batched, single);
+    for i in (0..n).step_by(7) {
+        let alone = run(
+            &logits[i * vocab..(i + 1) * vocab],
+            vocab,
+            &rows[i..=i],
+            &[],
+            2,
+        )
+        .0;
+        assert_eq!(alone[0], batched[i]);
+    }
+    // a different seed changes the draws
+    let reseeded: Vec<RowParams> = rows
+        .iter()
+        .map(|r| RowParams {
+            seed: r.seed + 100,
+            ..*r
+        })
+        .collect();
+    assert_ne!(run(&logits, vocab, &reseeded, &[], 2).0, batched);
+}
+#[test]
+fn logprobs_are_of_the_raw_logits() {
+    let mut g = Lcg(7);
+    let vocab = 5000;
+    let mut row = g.logits(vocab, 12.0);
+    row[10] = row[20]; // a tie
+    let p = RowParams {
+        num_logprobs: 5,
+        repetition: 3.0,
+        ..params()
+    };
+    let seen = [20u32, 10];
+    let so = [0usize, 2];
+    let batch = Batch {
+        logits: &row,
+        vocab,
+        rows: &[p],
+        seen: TokenLists {
+            offsets: &so,
+            tokens: &seen,
+        },
+        seen_counts: &[1, 1],
+        banned: TokenLists {
+            offsets: &[0, 0],
+            tokens: &[],
+        },
+    };
+    let (mut s, mut r, mut ids, mut vals) = ([0i64], [0i64], [0i64; 7], [0f32; 7]);
+    let out = Outputs {
+        sampled: &mut s,
+        ranks: &mut r,
+        logprob_ids: &mut ids,
+        logprob_values: &mut vals,
+        width: 7,
+    };
+    sample(&batch, out, 1).unwrap();
+    let m = row
+        .iter()
+        .cloned()
+        .fold(f64::NEG_INFINITY, |a, b| a.max(f64::from(b)));
+    let lse = m + row
+        .iter()
+        .map(|&x| (f64::from(x) - m).exp())
+        .sum::<f64>()
+        .ln();
+    let tok = s[0] as usize;
+    assert_eq!(ids[0], s[0]);
+    assert!((f64::from(vals[0]) - (f64::from(row[tok]) - lse)).abs() < 1e-5);
+    assert_eq!(
+        r[0] as usize,
+        1 + row.iter().filter(|&&x| x > row[tok]).count()
+    );
+    let mut order: Vec<usize> = (0..vocab).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    for j in 0..5 {
+        assert_eq!(ids[1 + j] as usize, order[j]);
+        assert!((f64::from(vals[1 + j]) - (f64::from(row[order[j]]) - lse)).abs() < 1e-5);
+    }
+    assert_eq!(ids[6], -1);
+}
+#[test]
+fn nonfinite_rows_are_argmaxed_and_reported() {
+    let nan = f32::NAN;
+    let inf = f32::INFINITY;
+    let logits = [
+        0.0,
+        inf,
+        1.0,
+        inf, // +inf: the first
+        nan,
+        nan,
+        nan,
+        nan, // all NaN: 0
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        nan,
+        f32::NEG_INFINITY, // all -inf: the first
+        nan,
+        2.0,
+        nan,
+        1.0, // NaN ignored: fine
+    ];
+    for p in [
+        params(),
+        RowParams {
+            top_k: 2,
+            ..params()
+        },
+        RowParams {
+            greedy: true,
+            ..params()
+        },
+    ] {
+        let (tok, bad) = run(&logits, 4, &[p; 4], &[], 2);
+        assert_eq!(&tok[..3], &[1, 0, 0], "{p:?}");
+        assert!(tok[3] == 1 || tok[3] == 3);
+        assert_eq!(bad, [0, 1, 2]);
+    }
+}
+#[test]
+fn bad_arguments_are_errors() {
+    let row = [0.0f32; 4];
+    let so = [0usize, 0];
+    let mk = |p: RowParams, tokens: &[u32], counts: &[u32], offsets: &[usize]| {
+        let batch = Batch {
+            logits: &row,
+            vocab: 4,
+            rows: &[p],
+            seen: TokenLists { offsets, tokens },
+            seen_counts: counts,
+            banned: TokenLists {
+                offsets: &so,
+                tokens: &[],
+            },
+        };
+        let (mut s, mut r) = ([0i64], [0i64]);
+        let out = Outputs {
+            sampled: &mut s,
+            ranks: &mut r,
+            logprob_ids: &mut [],
+            logprob_values: &mut [],
+            width: 0,
+        };
+        sample(&batch, out, 1)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert!(mk(
+        RowParams {
+            temperature: 0.0,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("temperature"));
+    assert!(mk(
+        RowParams {
+            top_p: 0.0,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("top_p"));
+    assert!(mk(
+        RowParams {
+            min_p: 2.0,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("min_p"));
+    assert!(mk(
+        RowParams {
+            num_logprobs: 1,
+            ..params()
+        },
+        &[],
+        &[],
+        &so
+    )
+    .unwrap_err()
+    .contains("num_logprobs"));
+    assert!(mk(params(), &[4], &[0], &[0, 1])
+        .unwrap_err()
+        .contains("not in 0..4"));
+    assert!(mk(params(), &[1], &[0], &[0, 0])
+        .unwrap_err()
+        .contains("offsets"));
+    assert!(mk(params(), &[], &[], &so).is_ok());
+}
+
+/// Timing of the pieces on one 32,000-entry row (not a test: `cargo test
+/// --release -- --ignored --nocapture time_pieces`).
+#[test]
+#[ignore]
+fn time_pieces() {
+    for _ in 0..4 {
+        time_pieces_once();
+        eprintln!();
+    }
+}
+
+fn time_pieces_once() {
+    use std::time::Instant;
+    let mut g = Lcg(9);
+    let row: Vec<f32> = g.logits(32_000, 12.0);
+    let mut e = vec![0.0f32; row.len()];
+    let mut sums = vec![0.0f32; row.len().div_ceil(select::CHUNK)];
+    let reps = 200;
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::max(std::hint::black_box(&row)));
+    }
+    eprintln!(
+        "max          {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        select::exp_into(std::hint::black_box(&row), 6.0, 1.0, &mut e);
+        std::hint::black_box(&e);
+    }
+    eprintln!(
+        "exp_into     {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::chunk_sums(std::hint::black_box(&e), 0.0, &mut sums));
+    }
+    eprintln!(
+        "chunk_sums   {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let total: f64 = e.iter().map(|&x| f64::from(x)).sum();
+    let mut work = Vec::new();
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::top_p_floor(&e, 0.95 * total, &mut work));
+    }
+    eprintln!(
+        "top_p_floor  {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        let mut sel = TopK::new(50, Vec::new());
+        sel.push_all(std::hint::black_box(&row), &mut work);
+        std::hint::black_box(sel.finish());
+    }
+    eprintln!(
+        "top_k 50     {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    for (name, p) in [
+        (
+            "row top_k",
+            RowParams {
+                top_k: 50,
+                top_p: 0.95,
+                ..params()
+            },
+        ),
+        (
+            "row top_p",
+            RowParams {
+                top_p: 0.95,
+                ..params()
+            },
+        ),
+        ("row plain", params()),
+        (
+            "row greedy",
+            RowParams {
+                greedy: true,
+                ..params()
+            },
+        ),
+    ] {
+        let t = Instant::now();
+        for i in 0..reps {
+            std::hint::black_box(run(
+                &row,
+                row.len(),
+                &[RowParams {
+                    position: i as u64,
+                    ..p
+                }],
+                &[],
+                1,
+            ));
+        }
+        eprintln!(
+            "{name:12} {:8.1} us",
+            t.elapsed().as_secs_f64() * 1e6 / reps as f64
+        );
+    }
+}
