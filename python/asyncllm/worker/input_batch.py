@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.sampling_params import SamplingParams
@@ -32,7 +31,6 @@ class RowState:
     req_id: int
     params: SamplingParams
     stop_token_ids: list[int]
-    generator: torch.Generator | None
     # the prompt's distinct tokens (sorted), for penalties; None without them
     prompt_tokens: np.ndarray | None = None
 
@@ -60,7 +58,7 @@ class InputBatch:
         self.states: list[RowState | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
-    def add(self, new: NewRequestData, generator: torch.Generator | None) -> int:
+    def add(self, new: NewRequestData) -> int:
         row = self._free_rows.pop()
         self.rows[new.req_id] = row
         n = len(new.token_ids)
@@ -100,9 +98,7 @@ class InputBatch:
         prompt_tokens = None
         if p.has_penalties:
             prompt_tokens = np.unique(self.token_ids[row, : new.num_prompt_tokens])
-        self.states[row] = RowState(
-            new.req_id, p, sorted(new.stop_token_ids), generator, prompt_tokens
-        )
+        self.states[row] = RowState(new.req_id, p, sorted(new.stop_token_ids), prompt_tokens)
         return row
 
     def remove(self, req_id: int) -> RowState | None:

@@ -42,12 +42,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(config, self.model, self.num_blocks)
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
-        # Seeded requests keep their generator across preemption, so a resumed
-        # request continues its random stream instead of restarting it.
-        self._generators: dict[int, torch.Generator] = {}
+        # Draws are keyed by (seed, output position), so a resumed request goes on
+        # where it was without keeping any generator state.
+        self.sampler = Sampler(config.seed)
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
 
     @torch.inference_mode()
@@ -123,20 +120,13 @@ class ModelRunner:
         ib = self.input_batch
         for rid in so.finished_req_ids:
             ib.remove(rid)
-            self._generators.pop(rid, None)
             self._prompt_logprobs.drop(rid)
         for rid in so.preempted_req_ids:
             ib.remove(rid)
         for rid, block_ids in so.new_block_ids.items():
             ib.append_blocks(rid, block_ids)
         for new in so.new_reqs:
-            gen = self._generators.get(new.req_id)
-            seed = new.sampling_params.seed
-            if gen is None and seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(seed)
-                self._generators[new.req_id] = gen
-            ib.add(new, gen)
+            ib.add(new)
 
     def _collect_logprobs(
         self, out: ModelRunnerOutput, result: Any, req_ids: list[int], rows: np.ndarray

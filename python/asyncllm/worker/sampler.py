@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
-        # unseeded requests draw under the engine's seed (that of `generator`)
-        seed = generator.initial_seed() & (2**64 - 1)
+    def __init__(self, engine_seed: int) -> None:
+        # unseeded requests draw under the engine's seed
+        seed = engine_seed & (2**64 - 1)
         self._engine_seed = np.array(seed, dtype=np.uint64).view(np.int64)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
