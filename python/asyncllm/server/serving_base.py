@@ -5,6 +5,7 @@ request, and merging the streams of several prompts."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import uuid
@@ -183,6 +184,18 @@ class ServingBase:
     async def abort_all(self) -> None:
         for request_id in list(self.in_flight):
             await self.engine.abort(request_id)
+
+
+def join_body(head: dict[str, Any], choices: list[bytes]) -> bytes:
+    """A whole response: `head` with its `choices` spliced in as already
+    serialised JSON (each choice is dumped alone, handing the GIL back between
+    them, so a large response does not hold it in one piece)."""
+    return (
+        json.dumps(head, separators=(",", ":"))[:-1].encode()
+        + b',"choices":['
+        + b",".join(choices)
+        + b"]}"
+    )
 
 
 def usage(

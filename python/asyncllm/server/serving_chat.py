@@ -21,6 +21,7 @@ from asyncllm.server.protocol import APIError, ChatCompletionRequest, ChatMessag
 from asyncllm.server.serving_base import (
     ServerConfig,
     ServingBase,
+    join_body,
     off_loop,
     random_id,
     usage,
@@ -205,6 +206,4 @@ class ChatServing(ServingBase):
             "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs), num_cached),
             "system_fingerprint": None,
         }
-        return json.dumps(head, separators=(",", ":"))[:-1].encode() + (
-            b',"choices":[' + b",".join(choices) + b"]}"
-        )
+        return join_body(head, choices)

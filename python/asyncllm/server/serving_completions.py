@@ -24,6 +24,7 @@ from asyncllm.server.protocol import APIError, CompletionRequest, bad_request
 from asyncllm.server.serving_base import (
     ServingBase,
     gather_first_error,
+    join_body,
     merge_streams,
     off_loop,
     random_id,
@@ -292,9 +293,7 @@ class CompletionServing(ServingBase):
             ),
             "system_fingerprint": None,
         }
-        return json.dumps(head, separators=(",", ":"))[:-1].encode() + (
-            b',"choices":[' + b",".join(choices) + b"]}"
-        )
+        return join_body(head, choices)
 
 
 def _dumps(data: Any) -> bytes:
