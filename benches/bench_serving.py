@@ -3,9 +3,12 @@ same workload on `AsyncLLM` in-process, with the same model and prompts.
 
     python benches/bench_serving.py [--model small] [--concurrency 64] [--num-prompts 128] [--quick]
 
-Both sides stream every request (128 output tokens, EOS ignored, greedy) with at
-most `--concurrency` in flight, and time TTFT / ITL / TPOT the same way: from the
-request's start to each output that carries text.
+Both sides stream every request (128 output tokens, EOS ignored) with at most
+`--concurrency` in flight, and time TTFT / ITL / TPOT the same way: from the
+request's start to each output that carries text. Each side runs twice, greedy
+(temperature 0) and sampled (temperature 1.0, top_p 0.95, as real clients
+sample), alternating; reported: HTTP / in-process per sampling, and sampled /
+greedy per side (issue 11's target for the server: >= 0.90).
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import QUICK_HELP, build_model  # noqa: E402
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams  # noqa: E402
-from asyncllm.server.bench import RequestResult, bench_serving, make_prompt, summarize  # noqa: E402
+from asyncllm.server.bench import (  # noqa: E402
+    RequestResult,
+    bench_serving,
+    make_prompt,
+    sampling_args,
+    summarize,
+)
+
+SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.95)}
 
 
 def free_port() -> int:
@@ -56,8 +67,8 @@ async def in_process(model: Path, ns: argparse.Namespace) -> dict:  # type: igno
         params = SamplingParams(
             max_tokens=ns.output_len,
             ignore_eos=True,
-            temperature=0.0,
             output_kind=RequestOutputKind.DELTA,
+            **sampling_args(ns),
         )
         r = RequestResult()
         async with limit:
@@ -108,26 +119,41 @@ def main() -> None:
         api_key=None,
         seed=0,
     )
+    sampled = {k: argparse.Namespace(**{**vars(ns), **v}) for k, v in SAMPLING.items()}
+    keys = ("output_token_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "failed")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(args.model, Path(tmp))
         port = free_port()
-        ns.base_url = f"http://127.0.0.1:{port}"
+        for v in sampled.values():
+            v.base_url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", str(model)]
         proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"])
+        http = {}
         try:
-            wait_healthy(ns.base_url, proc)
-            warm = argparse.Namespace(**{**vars(ns), "num_prompts": 1})
+            wait_healthy(sampled["greedy"].base_url, proc)
+            warm = argparse.Namespace(**{**vars(sampled["greedy"]), "num_prompts": 1})
             asyncio.run(bench_serving(warm))
-            http = asyncio.run(bench_serving(ns))
+            for kind, kns in sampled.items():
+                http[kind] = asyncio.run(bench_serving(kns))
         finally:
             proc.terminate()
             proc.wait(60)
-        local = asyncio.run(in_process(model, ns))
-    keys = ("output_token_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "failed")
-    both = {"http": {k: http[k] for k in keys}, "in_process": {k: local[k] for k in keys}}
+        local = {kind: asyncio.run(in_process(model, kns)) for kind, kns in sampled.items()}
+    both = {
+        kind: {
+            "http": {k: http[kind][k] for k in keys},
+            "in_process": {k: local[kind][k] for k in keys},
+        }
+        for kind in SAMPLING
+    }
     print(json.dumps(both, indent=1))
-    ratio = http["output_token_throughput"] / local["output_token_throughput"]
-    print(f"HTTP / in-process output throughput: {ratio:.3f}")
+    tput = "output_token_throughput"
+    for kind in SAMPLING:
+        ratio = http[kind][tput] / local[kind][tput]
+        print(f"{kind}: HTTP / in-process output throughput: {ratio:.3f}")
+    for side, runs in (("HTTP", http), ("in-process", local)):
+        ratio = runs["sampled"][tput] / runs["greedy"][tput]
+        print(f"{side}: sampled / greedy output throughput: {ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ use rayon::prelude::*;
 
 use crate::kernels::team::{self, Team};
 use crate::kernels::KernelError;
+use select::Arith;
 
-pub use philox::{philox4x32_10, uniform};
+pub use philox::{philox4x32_10, uniform, uniform_round};
 
 /// One row's sampling parameters.
 #[derive(Clone, Copy, Debug)]
@@ -314,7 +315,7 @@ impl Isa {
 
     fn row(self, b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
         match self {
-            Isa::Portable => row(b, o, s),
+            Isa::Portable => row::<PortableArith>(b, o, s),
             // SAFETY: `Avx2Fma` is only constructed where the CPU has AVX2 and
             // FMA (`detect`).
             #[cfg(target_arch = "x86_64")]
@@ -326,11 +327,17 @@ impl Isa {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn row_avx2_fma(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
-    row(b, o, s)
+    row::<select::Fused>(b, o, s)
 }
 
+/// aarch64 always has FMA; elsewhere the portable instance may not.
+#[cfg(target_arch = "aarch64")]
+type PortableArith = select::Fused;
+#[cfg(not(target_arch = "aarch64"))]
+type PortableArith = select::Split;
+
 #[inline(always)]
-fn row(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
+fn row<A: Arith>(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
     let r = o.row;
     let p = &b.rows[r];
     let v = b.vocab;
@@ -351,31 +358,49 @@ fn row(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
     } else if p.top_k > 0 && (p.top_k as usize) < v {
         sample_top_k(logits, p, s)
     } else {
-        sample_full(logits, p, s)
+        sample_full::<A>(logits, p, s)
     };
     *o.sampled = token as i64;
     o.nonfinite = nonfinite;
     if p.num_logprobs >= 0 {
-        logprobs(logits, token, p.num_logprobs as usize, o, s);
+        logprobs::<A>(logits, token, p.num_logprobs as usize, o, s);
     } else {
         *o.rank = 0;
     }
 }
 
-/// The first index of the largest changed logit (NaN ignored; 0 if all NaN)
-/// and that logit.
+/// The first index of the largest changed logit (NaN ignored) and that logit;
+/// a row with nothing above -inf gets its first -inf, or (0, NaN) if all NaN.
 #[inline(always)]
 fn argmax(row: &[f32], ov: &[(u32, f32)]) -> (usize, f32) {
+    if ov.is_empty() {
+        // no closure: closures are not always inlined, and outside the row
+        // function's `#[target_feature]` they lose its instruction set
+        return select::argmax(row).unwrap_or_else(|| no_maximum(row, ov));
+    }
     let mut best: Option<(usize, f32)> = None;
     penalties::segments(row, ov, |start, xs| {
-        let m = select::max(xs); // -inf when all NaN: then `position` finds none
-        if best.is_none_or(|b| m > b.1) {
-            if let Some(i) = xs.iter().position(|&x| x == m) {
+        if let Some((i, m)) = select::argmax(xs) {
+            if best.is_none_or(|b| m > b.1) {
                 best = Some((start + i, m));
             }
         }
     });
-    best.unwrap_or((0, f32::NAN))
+    best.unwrap_or_else(|| no_maximum(row, ov))
+}
+
+#[cold]
+fn no_maximum(row: &[f32], ov: &[(u32, f32)]) -> (usize, f32) {
+    let mut first = None;
+    penalties::segments(row, ov, |start, xs| {
+        if first.is_none() {
+            first = xs
+                .iter()
+                .position(|&x| x == f32::NEG_INFINITY)
+                .map(|i| start + i);
+        }
+    });
+    first.map_or((0, f32::NAN), |i| (i, f32::NEG_INFINITY))
 }
 
 /// The draw of a row with `top_k` in 1..vocab: among the candidates only.
@@ -383,7 +408,7 @@ fn argmax(row: &[f32], ov: &[(u32, f32)]) -> (usize, f32) {
 fn sample_top_k(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
     let mut sel = select::TopK::new(p.top_k as usize, std::mem::take(&mut s.cands));
     if s.ov.is_empty() {
-        sel.push_all(row, &mut s.e2);
+        sel.push_all(row, &mut s.e2, &mut s.e);
     } else {
         penalties::segments(row, &s.ov, |start, xs| sel.push(start, xs));
     }
@@ -439,9 +464,22 @@ fn draw_sorted(cands: &[(f32, u32)], p: &RowParams) -> (usize, bool) {
     (kept[kept.len() - 1].1 as usize, false)
 }
 
-/// The draw of a row without top-k: exponentials of the whole row in scratch.
+/// Rejection rounds of `sample_full` before it computes the top-p floor.
+const ROUNDS: u32 = 4;
+
+/// The draw of a row without top-k: exponentials of the whole row in scratch,
+/// with 64-entry chunk sums so the inverse CDF skips whole chunks.
+///
+/// Top-p and min-p by rejection: a token drawn from the whole distribution and
+/// kept by them is a draw from the kept set's renormalised distribution, and it
+/// is kept with probability >= top_p. Membership costs one masked sum (the mass
+/// strictly above the token's: below top_p × total means kept; tokens tied at
+/// the boundary are kept together) where the floor would cost a selection. After
+/// `ROUNDS` rejections (a tiny top_p) the floor is computed and the next round's
+/// uniform draws from the kept set directly. Every round's uniform is a pure
+/// function of (seed, stream, position, round), so the token still is too.
 #[inline(always)]
-fn sample_full(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
+fn sample_full<A: Arith>(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
     let (first, m) = argmax(row, &s.ov);
     if !m.is_finite() {
         return (first, true);
@@ -449,33 +487,53 @@ fn sample_full(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
     let inv_t = 1.0 / p.temperature;
     s.e.resize(row.len(), 0.0);
     let e = &mut s.e;
-    penalties::segments(row, &s.ov, |start, xs| {
-        select::exp_into(xs, m, inv_t, &mut e[start..start + xs.len()]);
-    });
-    let mut mass = select::chunk_sums(e, 0.0, &mut s.sums);
-    let mut floor = 0.0f32;
+    let total = if s.ov.is_empty() {
+        select::exp_sums::<A>(row, m, inv_t, e, &mut s.sums)
+    } else {
+        penalties::segments(row, &s.ov, |start, xs| {
+            select::exp_into::<A>(xs, m, inv_t, &mut e[start..start + xs.len()]);
+        });
+        select::chunk_sums(e, 0.0, &mut s.sums)
+    };
+    let e = &s.e;
+    let limit = f64::from(p.top_p) * total;
+    for round in 0..ROUNDS {
+        let t = draw(e, &s.sums, 0.0, total, p, round, first);
+        // (no closures here: see `argmax`)
+        if e[t] >= p.min_p && (p.top_p >= 1.0 || select::mass_above(e, e[t]) < limit) {
+            return (t, false);
+        }
+    }
+    let mut floor = p.min_p;
     if p.top_p < 1.0 {
-        floor = select::top_p_floor(e, f64::from(p.top_p) * mass, &mut s.e2);
+        floor = floor.max(select::top_p_floor(e, limit, &mut s.e2));
     }
-    if p.min_p > 0.0 {
-        floor = floor.max(p.min_p);
-    }
-    if floor > 0.0 {
-        mass = select::chunk_sums(e, floor, &mut s.sums);
-    }
-    let target = uniform(p.seed, p.stream, p.position) * mass;
-    match select::inverse_cdf(e, &s.sums, floor, target) {
-        Some(i) => (i, false),
-        None => (first, false), // unreachable: the maximum has exponential 1
-    }
+    let mass = select::chunk_sums(e, floor, &mut s.sums);
+    (draw(e, &s.sums, floor, mass, p, ROUNDS, first), false)
+}
+
+/// The inverse-CDF draw of round `round` over the entries >= `floor`.
+#[inline(always)]
+fn draw(
+    e: &[f32],
+    sums: &[f32],
+    floor: f32,
+    mass: f64,
+    p: &RowParams,
+    round: u32,
+    first: usize,
+) -> usize {
+    let target = philox::uniform_round(p.seed, p.stream, p.position, round) * mass;
+    // `None` is unreachable: the maximum has exponential 1 >= any floor
+    select::inverse_cdf(e, sums, floor, target).unwrap_or(first)
 }
 
 /// The raw logits' logprobs of `token` and of the row's top `num`.
 #[inline(always)]
-fn logprobs(row: &[f32], token: usize, num: usize, o: &mut RowOut<'_>, s: &mut Scratch) {
+fn logprobs<A: Arith>(row: &[f32], token: usize, num: usize, o: &mut RowOut<'_>, s: &mut Scratch) {
     let m = select::max(row);
     let lse = if m.is_finite() {
-        f64::from(m) + select::sum_exp(row, m).ln()
+        f64::from(m) + select::sum_exp::<A>(row, m).ln()
     } else {
         f64::NAN
     };

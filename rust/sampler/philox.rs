@@ -34,6 +34,16 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 /// key = seed, counter = (position, stream) as little-endian 32-bit words; 53
 /// bits of the block's first two words, so every value is an exact f64.
 pub fn uniform(seed: u64, stream: u64, position: u64) -> f64 {
+    uniform_round(seed, stream, position, 0)
+}
+
+/// Round `round` of one draw: round 0 is `uniform`, round 1 takes the same
+/// block's last two words, and rounds 2k and 2k + 1 the block whose counter adds
+/// `k << 48` to the position (output positions stay far below 2^48, so no two
+/// draws share a block). A draw that rejects (top-p, min-p) takes its next
+/// round; see `sampler::sample_full`.
+pub fn uniform_round(seed: u64, stream: u64, position: u64, round: u32) -> f64 {
+    let position = position.wrapping_add(u64::from(round / 2) << 48);
     let counter = [
         position as u32,
         (position >> 32) as u32,
@@ -41,6 +51,11 @@ pub fn uniform(seed: u64, stream: u64, position: u64) -> f64 {
         (stream >> 32) as u32,
     ];
     let x = philox4x32_10(counter, [seed as u32, (seed >> 32) as u32]);
-    let bits = (u64::from(x[0]) << 21) | (u64::from(x[1]) >> 11);
+    let (hi, lo) = if round.is_multiple_of(2) {
+        (x[0], x[1])
+    } else {
+        (x[2], x[3])
+    };
+    let bits = (u64::from(hi) << 21) | (u64::from(lo) >> 11);
     bits as f64 * (1.0 / (1u64 << 53) as f64)
 }

@@ -4,10 +4,34 @@
 //! everywhere: every comparison with it is false, so it is never the maximum,
 //! never a candidate and contributes no probability mass.
 
+/// Multiply-add as one fused instruction where the row function's instance
+/// has it (`Fused`), else as two (`Split`): the compiler never fuses `a * b + c`
+/// by itself, and `mul_add` without hardware FMA is a slow library call.
+pub(super) trait Arith {
+    fn fma(a: f32, b: f32, c: f32) -> f32;
+}
+
+pub(super) struct Fused;
+pub(super) struct Split;
+
+impl Arith for Fused {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+}
+
+impl Arith for Split {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+}
+
 /// Lanes per vector step.
 const L: usize = 16;
 /// Elements per chunk sum of the exponentials (the draw's coarse index).
-pub(super) const CHUNK: usize = 64;
+pub(super) const CHUNK: usize = 256;
 
 /// The largest value of `xs` (NaN ignored), or -inf.
 #[inline(always)]
@@ -19,13 +43,120 @@ pub(super) fn max(xs: &[f32]) -> f32 {
             lanes[i] = if c[i] > lanes[i] { c[i] } else { lanes[i] };
         }
     }
-    let mut m = f32::NEG_INFINITY;
-    for &x in it.remainder().iter().chain(lanes.iter()) {
+    let mut m = reduce_max(lanes);
+    for &x in it.remainder() {
         if x > m {
             m = x;
         }
     }
     m
+}
+
+/// The largest of 16 lanes by halving (vector maxima, not a 16-long chain).
+#[inline(always)]
+fn reduce_max(mut w: [f32; L]) -> f32 {
+    let mut half = L / 2;
+    while half > 0 {
+        for i in 0..half {
+            w[i] = if w[i + half] > w[i] {
+                w[i + half]
+            } else {
+                w[i]
+            };
+        }
+        half /= 2;
+    }
+    w[0]
+}
+
+/// The first index of the largest value of `xs` and that value (NaN ignored);
+/// `None` when no value is above -inf (all -inf or NaN: the caller's cold path).
+/// The maxima of 1,024-entry blocks are vector folds (`max`; per-lane indices
+/// do not vectorise), then the first block that holds the largest is searched.
+#[inline(always)]
+pub(super) fn argmax(xs: &[f32]) -> Option<(usize, f32)> {
+    const B: usize = 1024;
+    let mut best = f32::NEG_INFINITY;
+    let mut at = None;
+    for (b, c) in xs.chunks(B).enumerate() {
+        let m = max(c);
+        if m > best {
+            best = m;
+            at = Some(b);
+        }
+    }
+    let start = at? * B;
+    let i = xs[start..].iter().position(|&x| x == best)?; // always found
+    Some((start + i, best))
+}
+
+/// Writes `e[i] = exp((x[i] - m) * inv_t)` and the chunk sums of `e` (as
+/// `chunk_sums` with floor 0) in one pass; returns the total.
+#[inline(always)]
+pub(super) fn exp_sums<A: Arith>(
+    x: &[f32],
+    m: f32,
+    inv_t: f32,
+    e: &mut [f32],
+    sums: &mut [f32],
+) -> f64 {
+    let mut total = 0.0f64;
+    let whole = x.len() / CHUNK * CHUNK;
+    let (xs, x_tail) = x.split_at(whole);
+    let (es, e_tail) = e[..x.len()].split_at_mut(whole);
+    for ((xc, ec), s) in xs
+        .chunks_exact(CHUNK)
+        .zip(es.chunks_exact_mut(CHUNK))
+        .zip(sums.iter_mut())
+    {
+        exp_into::<A>(xc, m, inv_t, ec);
+        let mut lanes = [0.0f32; L];
+        for v in ec.chunks_exact(L) {
+            for i in 0..L {
+                lanes[i] += v[i]; // from L1, just written
+            }
+        }
+        *s = reduce_sum(lanes);
+        total += f64::from(*s);
+    }
+    if !x_tail.is_empty() {
+        exp_into::<A>(x_tail, m, inv_t, e_tail);
+        let s: f32 = e_tail.iter().sum();
+        sums[whole / CHUNK] = s;
+        total += f64::from(s);
+    }
+    total
+}
+
+/// The sum of 16 lanes by halving.
+#[inline(always)]
+fn reduce_sum(mut w: [f32; L]) -> f32 {
+    let mut half = L / 2;
+    while half > 0 {
+        for i in 0..half {
+            w[i] += w[i + half];
+        }
+        half /= 2;
+    }
+    w[0]
+}
+
+/// The sum of the entries of `e` strictly greater than `v` (in f64).
+#[inline(always)]
+pub(super) fn mass_above(e: &[f32], v: f32) -> f64 {
+    let mut total = 0.0f64;
+    for block in e.chunks(4096) {
+        let mut lanes = [0.0f32; L];
+        let mut it = block.chunks_exact(L);
+        for c in &mut it {
+            for i in 0..L {
+                lanes[i] += if c[i] > v { c[i] } else { 0.0 };
+            }
+        }
+        let tail: f32 = it.remainder().iter().filter(|&&x| x > v).sum();
+        total += f64::from(lanes.iter().sum::<f32>() + tail);
+    }
+    total
 }
 
 /// How many elements of `xs` are greater than `v`.
@@ -45,7 +176,7 @@ pub(super) fn count_greater(xs: &[f32], v: f32) -> usize {
 /// exp(x) to about 2 ulp for x in [-87, 88] (Cephes' `expf` polynomial), 0 below
 /// -87 and for NaN; branch-free and conversion-free so that it vectorises.
 #[inline(always)]
-pub(super) fn exp(x: f32) -> f32 {
+pub(super) fn exp<A: Arith>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
@@ -54,16 +185,16 @@ pub(super) fn exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     let keep = x >= -87.0; // false for NaN and very small x
     let xc = x.clamp(-87.0, 88.0);
-    let big = xc * LOG2E + ROUND;
+    let big = A::fma(xc, LOG2E, ROUND);
     let n = big - ROUND;
-    let r = xc - n * C1 - n * C2;
+    let r = A::fma(n, -C2, A::fma(n, -C1, xc));
     let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_2e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
+    p = A::fma(p, r, 1.398_2e-3);
+    p = A::fma(p, r, 8.333_452e-3);
+    p = A::fma(p, r, 4.166_579_6e-2);
+    p = A::fma(p, r, 1.666_666_5e-1);
+    p = A::fma(p, r, 0.5);
+    let y = A::fma(p * r, r, r + 1.0);
     let scale = f32::from_bits(big.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
     if keep {
         y * scale
@@ -72,27 +203,59 @@ pub(super) fn exp(x: f32) -> f32 {
     }
 }
 
-/// Writes `e[i] = exp((x[i] - m) * inv_t)`.
+/// 2^t for t <= 0.5 to about 2 ulp (0 below -126 and for NaN): the nearest
+/// integer n of t, then 2^(t - n) by a degree-5 polynomial on [-0.5, 0.5] fitted
+/// for relative error (1.9e-7 evaluated in f32). Fewer operations than `exp`'s
+/// two-constant reduction: this is the sampler's per-entry work.
 #[inline(always)]
-pub(super) fn exp_into(x: &[f32], m: f32, inv_t: f32, e: &mut [f32]) {
+pub(super) fn exp2_neg<A: Arith>(t: f32) -> f32 {
+    #[allow(clippy::approx_constant)] // the fit's own coefficient (0.69314698)
+    const FITTED_LN2: f32 = 0.693_147;
+    const ROUND: f32 = 12_582_912.0; // as in `exp`
+    let keep = t >= -126.0; // false for NaN
+    let tc = if t > -126.0 { t } else { -126.0 };
+    let big = tc + ROUND;
+    let n = big - ROUND;
+    let f = tc - n;
+    let mut q = 1.326_472_3e-3_f32;
+    q = A::fma(q, f, 9.671_513e-3);
+    q = A::fma(q, f, 5.550_734e-2);
+    q = A::fma(q, f, 2.402_224_2e-1);
+    q = A::fma(q, f, FITTED_LN2); // fitted with the rest, not ln 2
+    let y = A::fma(q, f, 1.0);
+    // n + 127 in the exponent field: 2^n for n in [-126, 1]
+    let scale = f32::from_bits(big.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23);
+    if keep {
+        y * scale
+    } else {
+        0.0
+    }
+}
+
+/// Writes `e[i] = exp((x[i] - m) * inv_t)` for `x[i] <= m` (as 2^((x[i] - m) ×
+/// inv_t × log2 e): relative error about 2e-7 × (1 + |argument|), from rounding
+/// the product).
+#[inline(always)]
+pub(super) fn exp_into<A: Arith>(x: &[f32], m: f32, inv_t: f32, e: &mut [f32]) {
+    let scale = inv_t * std::f32::consts::LOG2_E;
     for (xv, ev) in x.iter().zip(e.iter_mut()) {
-        *ev = exp((xv - m) * inv_t);
+        *ev = exp2_neg::<A>((xv - m) * scale);
     }
 }
 
 /// Sum of exp(x - m) over `xs` (the log-sum-exp's sum), in f64.
 #[inline(always)]
-pub(super) fn sum_exp(xs: &[f32], m: f32) -> f64 {
+pub(super) fn sum_exp<A: Arith>(xs: &[f32], m: f32) -> f64 {
     let mut total = 0.0f64;
     for block in xs.chunks(4096) {
         let mut lanes = [0.0f32; L];
         let mut it = block.chunks_exact(L);
         for c in &mut it {
             for i in 0..L {
-                lanes[i] += exp(c[i] - m);
+                lanes[i] += exp::<A>(c[i] - m);
             }
         }
-        let tail: f32 = it.remainder().iter().map(|&x| exp(x - m)).sum();
+        let tail: f32 = it.remainder().iter().map(|&x| exp::<A>(x - m)).sum();
         total += f64::from(lanes.iter().sum::<f32>() + tail);
     }
     total
@@ -112,7 +275,7 @@ pub(super) fn chunk_sums(e: &[f32], floor: f32, sums: &mut [f32]) -> f64 {
             }
         }
         let tail: f32 = it.remainder().iter().filter(|&&v| v >= floor).sum();
-        *s = lanes.iter().sum::<f32>() + tail;
+        *s = reduce_sum(lanes) + tail;
         total += f64::from(*s);
     }
     total
@@ -205,38 +368,64 @@ impl TopK {
             }
         }
         if self.buf.len() >= self.limit {
-            self.compact();
-            if self.buf.len() * 2 > self.limit {
-                // many ties at the boundary: let the buffer grow instead of
-                // compacting on every push
-                self.limit = self.buf.len() * 2;
-            }
+            self.compact_and_grow();
         }
     }
 
-    /// All of `xs` at once (a whole row, no changed entries): one vectorised pass
-    /// takes the maximum of every block of 64; the k-th largest of those is a
-    /// floor no k-th largest element can be below (k blocks hold an element at
-    /// least that large), so only the blocks whose maximum reaches it are scanned.
-    pub(super) fn push_all(&mut self, xs: &[f32], maxes: &mut Vec<f32>) {
-        const BLOCK: usize = 4 * L;
-        maxes.clear();
-        maxes.extend(xs.chunks(BLOCK).map(max));
-        if maxes.len() > self.k {
-            let k = self.k;
-            let mut sorted = std::mem::take(&mut self.buf); // borrow the allocation
-            sorted.clear();
-            sorted.extend(maxes.iter().map(|&m| (m, 0)));
-            let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
-            self.floor = kth.0;
-            sorted.clear();
-            self.buf = sorted;
+    fn compact_and_grow(&mut self) {
+        self.compact();
+        if self.buf.len() * 2 > self.limit {
+            // many ties at the boundary: let the buffer grow instead of
+            // compacting on every push
+            self.limit = self.buf.len() * 2;
         }
-        for (b, (c, &m)) in xs.chunks(BLOCK).zip(maxes.iter()).enumerate() {
-            if m >= self.floor {
-                self.push_scalar(b * BLOCK, c);
+    }
+
+    /// All of `xs` at once (a whole row, no changed entries). One vector pass
+    /// folds each group of 1,024 entries into 16 lane maxima — lane i's is the
+    /// maximum of the group's entries i, i + 16, ... (64 of them), with no
+    /// horizontal step. The k-th largest of those maxima is a floor no k-th
+    /// largest entry can be below (k lanes hold an entry at least that large),
+    /// so only the lanes whose maximum reaches it are read again. `maxes` and
+    /// `work` are scratch.
+    #[inline(always)] // into the row function: its instruction set (see `mod.rs`)
+    pub(super) fn push_all(&mut self, xs: &[f32], maxes: &mut Vec<f32>, work: &mut Vec<f32>) {
+        const G: usize = 64 * L;
+        let groups = xs.chunks_exact(G);
+        let tail = groups.remainder();
+        maxes.clear();
+        for g in groups.clone() {
+            let mut w = [f32::NEG_INFINITY; L];
+            for c in g.chunks_exact(L) {
+                for i in 0..L {
+                    w[i] = if c[i] > w[i] { c[i] } else { w[i] };
+                }
+            }
+            maxes.extend_from_slice(&w);
+        }
+        if maxes.len() >= self.k {
+            work.clear();
+            work.extend_from_slice(maxes);
+            let (_, kth, _) = work.select_nth_unstable_by(self.k - 1, |a, b| b.total_cmp(a));
+            self.floor = *kth;
+        }
+        for (gi, g) in groups.enumerate() {
+            for lane in 0..L {
+                if maxes[gi * L + lane] >= self.floor {
+                    let base = gi * G + lane;
+                    for j in 0..G / L {
+                        let x = g[j * L + lane];
+                        if x >= self.floor {
+                            self.buf.push((x, (base + j * L) as u32));
+                        }
+                    }
+                    if self.buf.len() >= self.limit {
+                        self.compact_and_grow();
+                    }
+                }
             }
         }
+        self.push(xs.len() - tail.len(), tail);
     }
 
     /// Raises the floor to the current k-th largest and drops what is below it.

@@ -7,6 +7,11 @@ batch at a time). Results print as a table, or as JSON with `--json`.
 `--max-concurrency`, and reports request and token throughput with TTFT (time to
 the first content chunk), TPOT (per request: (latency - TTFT) / (tokens - 1)) and
 ITL (the gaps between content chunks) as mean, median and p99.
+
+Sampling: only the parameters given (`--temperature`, `--top-p`, `--top-k`,
+`--min-p`) are sent, as real clients do; unset, the server's defaults apply (the
+OpenAI default temperature is 1.0). `throughput` and `latency` likewise build
+`SamplingParams` from the given ones only.
 """
 
 from __future__ import annotations
@@ -28,6 +33,29 @@ _TEXT = (
 _WORDS = _TEXT.split()
 
 
+_SAMPLING_FLAGS = (
+    ("temperature", float, "sampling temperature (0 = greedy)"),
+    ("top_p", float, "nucleus sampling mass"),
+    ("top_k", int, "sample among the k most likely tokens"),
+    ("min_p", float, "minimum probability relative to the most likely token"),
+)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (unset: the server's or SamplingParams' defaults)")
+    for name, kind, text in _SAMPLING_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+
+
+def sampling_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The sampling parameters the user gave, and only those."""
+    return {
+        name: getattr(ns, name)
+        for name, _, _ in _SAMPLING_FLAGS
+        if getattr(ns, name, None) is not None
+    }
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="measure a server or the engine")
     kinds = p.add_subparsers(dest="bench", required=True)
@@ -46,6 +74,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--api-key", default=None, help="sent as a Bearer token")
     s.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_sampling_args(s)
 
     from asyncllm.server.cli import add_engine_args
 
@@ -65,6 +94,7 @@ def add_parser(sub: Any) -> None:
         )
         k.add_argument("--num-iters", type=int, default=3, help="timed repetitions")
         k.add_argument("--json", action="store_true", help="print the results as JSON")
+        _add_sampling_args(k)
 
     o = kinds.add_parser(
         "overhead", help="the engine core's per-step CPU gap, with the null executor"
@@ -180,9 +210,9 @@ async def bench_serving(ns: argparse.Namespace) -> dict[str, Any]:
                 "model": model,
                 "max_tokens": ns.output_len,
                 "ignore_eos": True,
-                "temperature": 0.0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                **sampling_args(ns),
             }
             if chat:
                 body["messages"] = [{"role": "user", "content": prompt}]
@@ -232,6 +262,7 @@ def summarize(
         "failed": len(errors),
         "first_error": errors[0] if errors else None,
         "max_concurrency": ns.max_concurrency,
+        "sampling": sampling_args(ns),
         "request_rate": None if ns.request_rate == float("inf") else ns.request_rate,
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
@@ -255,7 +286,7 @@ def bench_offline(ns: argparse.Namespace) -> dict[str, Any]:
     args = engine_args_from(ns)
     rng = random.Random(0)
     kwargs = {f: getattr(args, f) for f in args.__dataclass_fields__ if f != "model"}
-    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, **sampling_args(ns))
     times = []
     with LLM(args.model, **kwargs) as llm:
         vocab = llm.get_tokenizer().vocab_size
@@ -275,6 +306,7 @@ def bench_offline(ns: argparse.Namespace) -> dict[str, Any]:
         "num_prompts": ns.num_prompts,
         "input_len": ns.input_len,
         "output_len": ns.output_len,
+        "sampling": sampling_args(ns),
         "median_s": best,
         "latencies_s": times,
         "request_throughput": ns.num_prompts / best,
@@ -349,7 +381,10 @@ async def bench_overhead(ns: argparse.Namespace) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     lines = []
     for key, value in results.items():
-        if isinstance(value, dict):
+        if key == "sampling":
+            given = ", ".join(f"{k} {v}" for k, v in value.items())
+            lines.append(f"{key:<26} {given or 'defaults (none sent)'}")
+        elif isinstance(value, dict):
             parts = ", ".join(f"{k} {v:.2f}" for k, v in value.items())
             lines.append(f"{key:<26} {parts}")
         elif isinstance(value, float):

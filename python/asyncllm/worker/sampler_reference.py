@@ -58,9 +58,7 @@ def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = masked_logits(raw, md)
     sampled = logits.argmax(dim=-1)
     if not md.all_greedy:
-        probs = random_probs(logits, md)
-        u = philox_uniform(md, logits.device)
-        random = inverse_cdf(probs, u)
+        random = draw(*random_distribution(logits, md), md)
         greedy = torch.from_numpy(md.params_i[:, I_GREEDY] != 0).to(logits.device)
         sampled = torch.where(greedy, sampled, random)
     out = SamplerOutput(sampled=sampled)
@@ -111,55 +109,83 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     logits -= p.presence.unsqueeze(1) * (p.output_counts > 0).to(logits.dtype)
 
 
-def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Each row's sampling distribution after temperature, top-k, top-p and min-p."""
+ROUNDS = 4  # rejection rounds before the kept set is drawn from directly (the kernel's)
+
+
+def draw(probs: torch.Tensor, kept: torch.Tensor | None, md: SamplingMetadata) -> torch.Tensor:
+    """Each row's token: rejection rounds over `probs` (after temperature and top-k)
+    until `kept` (top-p and min-p) keeps the token, as rust/sampler does."""
+    device = probs.device
+    u = philox_uniform(md, device)
+    token = inverse_cdf(probs, u)
+    if kept is None:
+        return token
+    done = kept.gather(1, token.unsqueeze(1)).squeeze(1)
+    for r in range(1, ROUNDS + 1):
+        if bool(done.all()):
+            break
+        u = philox_uniform(md, device, r)
+        t = inverse_cdf(probs if r < ROUNDS else probs * kept, u)
+        ok = kept.gather(1, t.unsqueeze(1)).squeeze(1) | (r == ROUNDS)
+        token = torch.where(done, token, t)
+        done = done | ok
+    return token
+
+
+def random_distribution(
+    logits: torch.Tensor, md: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's distribution after temperature and top-k, and the tokens top-p
+    and min-p keep of it (None: all)."""
     device = logits.device
     f = torch.from_numpy(md.params_f).to(device)
     logits = logits / f[:, F_TEMPERATURE : F_TEMPERATURE + 1]
     vocab = logits.shape[-1]
     k = md.params_i[:, I_TOP_K]
-    top_k = (
-        torch.from_numpy(np.where((k > 0) & (k < vocab), k, vocab)).to(device)
-        if ((k > 0) & (k < vocab)).any()
-        else None
-    )
-    p = md.params_f[:, F_TOP_P]
-    top_p = f[:, F_TOP_P] if (p < 1.0).any() else None
-    if top_k is not None or top_p is not None:
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+    on = (k > 0) & (k < vocab)
+    if on.any():
+        logits = top_k_masked(logits, torch.from_numpy(np.where(on, k, vocab)).to(device))
     probs = torch.softmax(logits, dim=-1)
+    kept = None
+    if (md.params_f[:, F_TOP_P] < 1.0).any():
+        kept = logits >= top_p_cut(logits, f[:, F_TOP_P])
     if (md.params_f[:, F_MIN_P] > 0).any():
         max_p = probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < f[:, F_MIN_P : F_MIN_P + 1] * max_p, 0.0)
-    return probs
+        by_min_p = probs >= f[:, F_MIN_P : F_MIN_P + 1] * max_p
+        kept = by_min_p if kept is None else kept & by_min_p
+    return probs, kept
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p sets with -inf."""
-    if top_p is None:
-        assert top_k is not None
-        # Only top-k: a partial selection is much cheaper than a full sort.
-        vocab = logits.shape[-1]
-        enabled = top_k < vocab
-        max_k = int(top_k[enabled].max()) if bool(enabled.any()) else vocab
-        top_vals = logits.topk(max_k, dim=-1).values
-        kth = top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
-        kth = kth.masked_fill(~enabled.unsqueeze(1), _NEG_INF)
-        return logits.masked_fill(logits < kth, _NEG_INF)
-    sorted_logits, _ = logits.sort(dim=-1, descending=False)
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Each row's sampling distribution after temperature, top-k, top-p and min-p
+    (the tests' reference; zeros where a token cannot be drawn)."""
+    probs, kept = random_distribution(logits, md)
+    if kept is not None:
+        probs = probs * kept
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def top_k_masked(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """`logits` with -inf below each row's k-th largest (`top_k` = vocab: off); ties
+    at the k-th value are kept. A partial selection, not a sort."""
     vocab = logits.shape[-1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    enabled = top_k < vocab
+    max_k = int(top_k[enabled].max()) if bool(enabled.any()) else vocab
+    top_vals = logits.topk(max_k, dim=-1).values
+    kth = top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = kth.masked_fill(~enabled.unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[n, 1]: the smallest logit top-p keeps — the largest tokens while the mass
+    before them is below top_p; tokens tied at the boundary are kept together."""
+    sorted_logits, _ = logits.sort(dim=-1, descending=False)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
-    # `drop` is a prefix: the first kept value is the cut, and every token at or
-    # above it stays (tokens tied at the boundary are kept together)
-    cut = sorted_logits.gather(1, drop.sum(dim=-1, keepdim=True))
-    return logits.masked_fill(logits < cut, _NEG_INF)
+    # `drop` is a prefix: the first kept value is the cut
+    return sorted_logits.gather(1, drop.sum(dim=-1, keepdim=True))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -198,16 +224,19 @@ def philox4x32_10(ctr: list[torch.Tensor], key: list[torch.Tensor]) -> list[torc
     return [c0, c1, c2, c3]
 
 
-def philox_uniform(md: SamplingMetadata, device: torch.device) -> torch.Tensor:
-    """[n] float64 in [0, 1): each row's uniform, as the kernel computes it."""
+def philox_uniform(md: SamplingMetadata, device: torch.device, round: int = 0) -> torch.Tensor:
+    """[n] float64 in [0, 1): each row's uniform of draw round `round`, as the
+    kernel computes it (rust/sampler/philox.rs, `uniform_round`)."""
     i = torch.from_numpy(md.params_i).to(device)
 
     def words(x: torch.Tensor) -> list[torch.Tensor]:
         return [x & _MASK, (x >> 32) & _MASK]
 
     seed, stream, pos = i[:, I_SEED], i[:, I_STREAM], i[:, I_POSITION]
+    pos = pos + ((round // 2) << 48)  # positions stay far below 2^48: no wrap
     x = philox4x32_10(words(pos) + words(stream), words(seed))
-    bits = (x[0] << 21) | (x[1] >> 11)
+    hi, lo = (x[0], x[1]) if round % 2 == 0 else (x[2], x[3])
+    bits = (hi << 21) | (lo >> 11)
     return bits.double() * 2.0**-53
 
 

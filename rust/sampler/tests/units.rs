@@ -38,23 +38,64 @@ fn uniforms_are_in_range_and_keyed() {
 }
 #[test]
 fn fast_exp_is_accurate() {
-    let mut x = -87.0f32;
-    while x < 0.5 {
-        let got = f64::from(select::exp(x));
-        let want = f64::from(x).exp();
-        assert!(
-            ((got - want) / want).abs() < 5e-7,
-            "exp({x}) = {got}, want {want}"
-        );
-        x += 0.0137;
+    fn check<A: select::Arith>() {
+        let mut x = -87.0f32;
+        while x < 0.5 {
+            let got = f64::from(select::exp::<A>(x));
+            let want = f64::from(x).exp();
+            assert!(
+                ((got - want) / want).abs() < 5e-7,
+                "exp({x}) = {got}, want {want}"
+            );
+            x += 0.0137;
+        }
+        assert_eq!(select::exp::<A>(f32::NEG_INFINITY), 0.0);
+        assert_eq!(select::exp::<A>(f32::NAN), 0.0);
     }
-    assert_eq!(select::exp(f32::NEG_INFINITY), 0.0);
-    assert_eq!(select::exp(f32::NAN), 0.0);
+    check::<select::Split>();
+    check::<select::Fused>();
+}
+
+#[test]
+fn row_exponentials_are_accurate() {
+    fn check<A: select::Arith>() {
+        let xs: Vec<f32> = (0..12_000).map(|i| -87.0 + i as f32 * 0.00725).collect();
+        for inv_t in [1.0f32, 0.7, 2.5] {
+            let mut e = vec![0.0f32; xs.len()];
+            select::exp_into::<A>(&xs, 0.0, inv_t, &mut e);
+            for (&x, &got) in xs.iter().zip(&e) {
+                let z = f64::from(x) * f64::from(inv_t);
+                let want = z.exp();
+                if z < -87.0 {
+                    assert!(got == 0.0 || (f64::from(got) - want).abs() < 1e-37);
+                    continue;
+                }
+                let rel = ((f64::from(got) - want) / want).abs();
+                assert!(
+                    rel < 2e-7 * (1.0 + z.abs()),
+                    "exp({z}) = {got}, want {want}"
+                );
+            }
+        }
+        let mut e = [1.0f32; 3];
+        select::exp_into::<A>(&[f32::NEG_INFINITY, f32::NAN, 0.0], 0.0, 1.0, &mut e);
+        assert_eq!(e, [0.0, 0.0, 1.0]);
+    }
+    check::<select::Split>();
+    check::<select::Fused>();
 }
 #[test]
 fn top_k_candidates_match_a_sort() {
     let mut g = Lcg(1);
-    for (n, k) in [(1000, 1), (1000, 50), (5000, 700), (37, 40), (3000, 3000)] {
+    for (n, k) in [
+        (1000, 1),
+        (1000, 50),
+        (5000, 700),
+        (37, 40),
+        (3000, 3000),
+        (40_000, 50),
+        (40_000, 3000),
+    ] {
         // few distinct values: many ties
         let row: Vec<f32> = g.logits(n, 8.0).iter().map(|x| x.round()).collect();
         let mut sel = TopK::new(k, Vec::new());
@@ -63,7 +104,7 @@ fn top_k_candidates_match_a_sort() {
         }
         let got = sel.finish();
         let mut whole = TopK::new(k, Vec::new());
-        whole.push_all(&row, &mut Vec::new());
+        whole.push_all(&row, &mut Vec::new(), &mut Vec::new());
         assert_eq!(whole.finish(), got, "n {n} k {k}: push_all");
         let mut sorted = row.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
@@ -411,7 +452,41 @@ fn time_pieces_once() {
     );
     let t = Instant::now();
     for _ in 0..reps {
-        select::exp_into(std::hint::black_box(&row), 6.0, 1.0, &mut e);
+        std::hint::black_box(select::argmax(std::hint::black_box(&row)));
+    }
+    eprintln!(
+        "argmax       {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        select::exp_sums::<select::Fused>(std::hint::black_box(&row), 6.0, 1.0, &mut e, &mut sums);
+        std::hint::black_box(&e);
+    }
+    eprintln!(
+        "exp_sums     {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        std::hint::black_box(select::mass_above(std::hint::black_box(&e), 0.01));
+    }
+    eprintln!(
+        "mass_above   {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        select::exp_into::<select::Fused>(std::hint::black_box(&row), 6.0, 1.0, &mut e);
+        std::hint::black_box(&e);
+    }
+    eprintln!(
+        "exp_into_fma {:8.1} us",
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
+    let t = Instant::now();
+    for _ in 0..reps {
+        select::exp_into::<select::Split>(std::hint::black_box(&row), 6.0, 1.0, &mut e);
         std::hint::black_box(&e);
     }
     eprintln!(
@@ -439,7 +514,7 @@ fn time_pieces_once() {
     let t = Instant::now();
     for _ in 0..reps {
         let mut sel = TopK::new(50, Vec::new());
-        sel.push_all(std::hint::black_box(&row), &mut work);
+        sel.push_all(std::hint::black_box(&row), &mut work, &mut Vec::new());
         std::hint::black_box(sel.finish());
     }
     eprintln!(
