@@ -73,8 +73,8 @@ def make_md(
 
 
 def kernel(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    out, nonfinite = sample_cpu(logits, md)
-    assert not nonfinite
+    out = sample_cpu(logits, md)
+    assert not out.nonfinite
     return out.sampled
 
 
@@ -164,6 +164,13 @@ def test_ties_are_kept_together_at_the_boundaries():
     assert int((random_probs(TIES.unsqueeze(0), one) > 0).sum()) == 5
 
 
+def test_tiny_temperatures_are_greedy():
+    # 1 / 1e-40 overflows float32: such requests take the argmax, as in vLLM
+    assert SamplingParams(temperature=1e-40).greedy
+    assert SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_tiny_top_p_and_top_k_1_are_greedy(sampler):
     g = torch.Generator().manual_seed(3)
@@ -190,21 +197,24 @@ def test_kernel_and_torch_draw_the_same_numbers():
         assert same > 0.99, kw  # rounding may move a draw sitting on a boundary
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_seeded_rows_do_not_depend_on_the_batch(sampler):
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(64, 5000, generator=g)
-    md = make_md(64, top_p=0.9, top_k=100)
-    md.params_i[:, I_SEED] = np.arange(64) % 5
+    logits = torch.randn(256, 5000, generator=g)
+    md = make_md(256, top_p=0.9, top_k=100)
+    md.params_i[1::2, I_TOP_K] = 0  # half the rows take the whole-row path
+    md.params_f[::5, F_MIN_P] = 0.05
+    md.params_i[:, I_SEED] = np.arange(256) % 5
     md.params_f[::3, F_TEMPERATURE] = 0.5
     md.params_i[::7, I_GREEDY] = 1
-    batched = kernel(logits, md)
-    for r in range(0, 64, 9):
+    batched = sampler(logits, md)
+    for r in range(0, 256, 9):
         alone = SamplingMetadata(
             False, md.params_f[r : r + 1], md.params_i[r : r + 1], None, None, None
         )
-        assert int(kernel(logits[r : r + 1], alone)[0]) == int(batched[r])
+        assert int(sampler(logits[r : r + 1], alone)[0]) == int(batched[r])
     md.params_i[:, I_SEED] += 1000
-    assert not torch.equal(kernel(logits, md), batched)
+    assert not torch.equal(sampler(logits, md), batched)
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits():
@@ -213,7 +223,7 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie at the top
     md = make_md(16, num_logprobs=5, top_k=50, penalties=(2.0, 0.5, 0.0), seen=[([10, 11], [1, 0])])
     md.params_i[5:, I_NUM_LOGPROBS] = 2  # fewer on some rows: the rest is padding
-    out, _ = sample_cpu(logits, md)
+    out = sample_cpu(logits, md)
     lsm = torch.log_softmax(logits.double(), dim=-1)
     assert out.logprob_ids is not None and out.logprob_values is not None
     assert out.logprob_ranks is not None
@@ -232,28 +242,28 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     assert ids[3, 1] == 10
 
 
-def test_nonfinite_rows_do_not_fail_the_step():
-    logits = torch.randn(5, 100)
+@pytest.mark.parametrize("path", [sample_cpu, sample_torch], ids=["kernel", "torch"])
+def test_nonfinite_rows_do_not_fail_the_step(path):
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 100, generator=g)
     logits[0, 7] = float("nan")  # NaN ignored: a normal row
     logits[1, :] = float("nan")
     logits[2, [4, 9]] = float("inf")
     logits[3, :] = float("-inf")
     md = make_md(5, top_p=0.9, num_logprobs=2)
-    out, nonfinite = sample_cpu(logits, md)
-    assert nonfinite == [1, 2, 3]
+    out = path(logits, md)
+    assert out.nonfinite == [1, 2, 3]
     assert out.sampled[1:4].tolist() == [0, 4, 0]
     assert out.sampled[0] != 7
     assert out.logprob_values is not None
     assert torch.isnan(out.logprob_values[2, 0])  # log_softmax of a row with +inf
     # rows 0 and 4 are unaffected by the others
     alone = make_md(5, top_p=0.9)
-    assert (
-        kernel(
-            logits[4:],
-            SamplingMetadata(False, alone.params_f[4:], alone.params_i[4:], None, None, None),
-        )[0]
-        == out.sampled[4]
-    )
+    rest = SamplingMetadata(False, alone.params_f[4:], alone.params_i[4:], None, None, None)
+    assert path(logits[4:], rest).sampled[0] == out.sampled[4]
+    # a greedy row never picks NaN either
+    greedy = path(logits[:1], make_md(1, greedy=True)).sampled
+    assert greedy[0] == torch.nan_to_num(logits[0], nan=-1e9).argmax()
 
 
 def test_bad_arguments_raise_value_errors():
@@ -303,10 +313,10 @@ def tokens(outputs) -> list[list[int]]:
 def test_seeded_requests_through_the_engine(llama_dir):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=77, max_tokens=24, ignore_eos=True)
     other = SamplingParams(temperature=0.9, top_k=50, max_tokens=30, ignore_eos=True)
-    ps = prompts(64)
-    llm = LLM(str(llama_dir), multiprocess=False, dtype="float32")
+    ps = prompts(256)
+    llm = LLM(str(llama_dir), multiprocess=False, dtype="float32", max_num_seqs=256)
     alone = tokens(llm.generate([ps[0]], seeded, use_tqdm=False))[0]
-    in_batch = llm.generate(ps, [seeded] + [other] * 63, use_tqdm=False)
+    in_batch = llm.generate(ps, [seeded] + [other] * 255, use_tqdm=False)
     assert tokens(in_batch)[0] == alone
     reseeded = seeded.clone(seed=78)
     assert tokens(llm.generate([ps[0]], reseeded, use_tqdm=False))[0] != alone

@@ -12,6 +12,9 @@ from asyncllm.errors import ConfigError
 
 _MAX_LOGPROBS = 20
 _UINT64_MAX = 2**64 - 1
+# Below this temperature a request is greedy, as in vLLM: 1 / temperature would
+# overflow float32 on the way to the distribution.
+_SAMPLING_EPS = 1e-5
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -157,8 +160,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Greedy requests skip the random part of sampling entirely."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Greedy requests skip the random part of sampling entirely: temperature 0
+        (or below 1e-5, as in vLLM) or top_k 1."""
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -6,16 +6,18 @@
 //! - `min_tokens` bans (-inf) and repetition/frequency/presence penalties are a
 //!   short sorted list of changed entries (`penalties`), only over the tokens
 //!   the request has seen;
-//! - greedy rows: the argmax (first index of the maximum);
+//! - greedy rows: the argmax (first index of the maximum), one vector pass;
 //! - `top_k` set: one pass keeps the candidates >= the k-th largest (ties at the
 //!   boundary kept, as in the reference), then temperature, top-p and min-p work
-//!   on those few sorted candidates;
-//! - otherwise: one pass writes exp((logit - max) / temperature) to scratch with
-//!   64-entry chunk sums; top-p finds its floor by a quickselect on the mass,
-//!   min-p's floor is `min_p` itself (the maximum's exponential is 1);
-//! - the draw: inverse CDF with ONE uniform, Philox4x32-10 keyed by the row's
-//!   `seed` with counter (`position`, `stream`), so a token depends only on the
-//!   request's seed, stream and output position, never on the batch.
+//!   on those few sorted candidates (`top_k`);
+//! - otherwise (`sample_full`) after the argmax one pass writes
+//!   exp((logit - max) / temperature) to scratch with chunk sums, and the draw
+//!   is an inverse CDF with ONE uniform; top-p and min-p by rejection
+//!   rounds: a drawn token they keep is a draw from the kept set, exactly, and
+//!   membership is one masked sum where a floor would be a selection;
+//! - uniforms: Philox4x32-10 keyed by the row's `seed` with counter
+//!   (`position`, `stream`) and the rejection round, so a token depends only on
+//!   the request's seed, stream and output position, never on the batch.
 //!
 //! Top-p keeps the largest tokens while the mass of those before them is below
 //! `top_p`; tokens tied at the boundary are kept together (the reference keeps
@@ -39,6 +41,7 @@ mod philox;
 mod select;
 #[cfg(test)]
 mod tests;
+mod top_k;
 
 use std::sync::{Mutex, PoisonError};
 
@@ -47,6 +50,7 @@ use rayon::prelude::*;
 use crate::kernels::team::{self, Team};
 use crate::kernels::KernelError;
 use select::Arith;
+use top_k::TopK;
 
 pub use philox::{philox4x32_10, uniform, uniform_round};
 
@@ -280,6 +284,7 @@ struct Scratch {
     e: Vec<f32>,
     e2: Vec<f32>,
     sums: Vec<f32>,
+
     ov: Vec<(u32, f32)>,
     cands: Vec<(f32, u32)>,
 }
@@ -290,6 +295,7 @@ impl Scratch {
             e: Vec::new(),
             e2: Vec::new(),
             sums: vec![0.0; vocab.div_ceil(select::CHUNK)],
+
             ov: Vec::new(),
             cands: Vec::new(),
         }
@@ -406,7 +412,7 @@ fn no_maximum(row: &[f32], ov: &[(u32, f32)]) -> (usize, f32) {
 /// The draw of a row with `top_k` in 1..vocab: among the candidates only.
 #[inline(always)]
 fn sample_top_k(row: &[f32], p: &RowParams, s: &mut Scratch) -> (usize, bool) {
-    let mut sel = select::TopK::new(p.top_k as usize, std::mem::take(&mut s.cands));
+    let mut sel = TopK::new(p.top_k as usize, std::mem::take(&mut s.cands));
     if s.ov.is_empty() {
         sel.push_all(row, &mut s.e2, &mut s.e);
     } else {
@@ -467,8 +473,9 @@ fn draw_sorted(cands: &[(f32, u32)], p: &RowParams) -> (usize, bool) {
 /// Rejection rounds of `sample_full` before it computes the top-p floor.
 const ROUNDS: u32 = 4;
 
-/// The draw of a row without top-k: exponentials of the whole row in scratch,
-/// with 64-entry chunk sums so the inverse CDF skips whole chunks.
+/// The draw of a row without top-k: the argmax, then the exponentials of the
+/// whole row in scratch with `CHUNK`-entry sums so that the inverse CDF skips
+/// whole chunks (the row is read from memory once, then from cache).
 ///
 /// Top-p and min-p by rejection: a token drawn from the whole distribution and
 /// kept by them is a draw from the kept set's renormalised distribution, and it
@@ -544,7 +551,7 @@ fn logprobs<A: Arith>(row: &[f32], token: usize, num: usize, o: &mut RowOut<'_>,
     o.ids[0] = token as i64;
     o.values[0] = lp(row[token]);
     if num > 0 {
-        let mut sel = select::TopK::new(num, std::mem::take(&mut s.cands));
+        let mut sel = TopK::new(num, std::mem::take(&mut s.cands));
         sel.push(0, row);
         let top = sel.finish();
         for (j, c) in top.iter().take(num).enumerate() {

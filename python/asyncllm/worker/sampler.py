@@ -37,12 +37,13 @@ class Sampler:
         if unseeded.any():
             md.params_i[unseeded, I_SEED] = self._engine_seed
         if logits.device.type == "cpu" and kernel_available():
-            out, nonfinite = sample_cpu(logits, md)
-            if nonfinite:
-                logger.warning(
-                    "logits of sampled rows %s have no finite maximum (NaN or inf): "
-                    "each sampled its argmax",
-                    nonfinite,
-                )
-            return out
-        return sample_torch(logits, md)
+            out = sample_cpu(logits, md)
+        else:
+            out = sample_torch(logits, md)
+        if out.nonfinite:
+            logger.warning(
+                "logits of sampled rows %s have no finite maximum (NaN or inf): "
+                "each sampled its argmax",
+                out.nonfinite,
+            )
+        return out

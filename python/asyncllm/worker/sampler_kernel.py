@@ -27,9 +27,9 @@ def _lists(lists: TokenLists | None, n: int) -> TokenLists:
     return TokenLists(np.zeros(n + 1, dtype=np.int64), _NO_TOKENS.tokens, _NO_TOKENS.counts)
 
 
-def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> tuple[SamplerOutput, list[int]]:
-    """Samples every row of the CPU `logits` [n, vocab]; returns the output and the
-    rows whose logits had no finite maximum (sampled as their argmax)."""
+def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """Samples every row of the CPU `logits` [n, vocab]; `nonfinite` lists the rows
+    whose logits had no finite maximum (sampled as their argmax)."""
     logits = logits.float().contiguous()
     n = logits.shape[0]
     width = 0 if md.max_num_logprobs is None else md.max_num_logprobs + 1
@@ -57,7 +57,7 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> tuple[SamplerOutpu
         values.numpy(),
         torch.get_num_threads(),
     )
-    out = SamplerOutput(sampled=sampled)
+    out = SamplerOutput(sampled=sampled, nonfinite=nonfinite)
     if width:
         out.logprob_ids, out.logprob_values, out.logprob_ranks = ids, values, ranks
-    return out, nonfinite
+    return out

@@ -11,7 +11,7 @@ in the batch. Logprobs are of the raw logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ class SamplerOutput:
     logprob_ids: torch.Tensor | None = None
     logprob_values: torch.Tensor | None = None
     logprob_ranks: torch.Tensor | None = None
+    # rows whose logits had no finite maximum (sampled as their argmax)
+    nonfinite: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -56,12 +58,20 @@ def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Samples every row of `logits` [n, vocab] (any device) as `md` says."""
     raw = logits.float()
     logits = masked_logits(raw, md)
+    if bool(logits.isnan().any()):
+        logits = logits.masked_fill(logits.isnan(), _NEG_INF)  # never sampled, as in the kernel
     sampled = logits.argmax(dim=-1)
+    nonfinite: list[int] = []
     if not md.all_greedy:
         random = draw(*random_distribution(logits, md), md)
-        greedy = torch.from_numpy(md.params_i[:, I_GREEDY] != 0).to(logits.device)
-        sampled = torch.where(greedy, sampled, random)
-    out = SamplerOutput(sampled=sampled)
+        argmax_rows = torch.from_numpy(md.params_i[:, I_GREEDY] != 0).to(logits.device)
+        finite = logits.amax(dim=-1).isfinite()
+        if not bool(finite.all()):
+            # no finite maximum: the argmax (first +inf, or first entry), as the kernel
+            nonfinite = (~finite & ~argmax_rows).nonzero().flatten().tolist()
+            argmax_rows = argmax_rows | ~finite
+        sampled = torch.where(argmax_rows, sampled, random)
+    out = SamplerOutput(sampled=sampled, nonfinite=nonfinite)
     if md.max_num_logprobs is not None:
         gather_logprobs(out, raw, sampled, md.max_num_logprobs)
     return out

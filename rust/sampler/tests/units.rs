@@ -1,7 +1,8 @@
 //! The pieces on their own: Philox, the exponential, the selections, greedy,
 //! batch independence, logprobs, non-finite rows, bad arguments.
 
-use super::super::select::{self, TopK};
+use super::super::select;
+use super::super::top_k::TopK;
 use super::*;
 
 #[test]
