@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from threading import get_ident
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ MAX_EVENTS = 200_000
 FLUSH_INTERVAL_S = 5.0
 MAX_PROFILE_STEPS = 2_000  # a profile window stops by itself after this many steps
 
-# (name, start ns, duration ns, thread id, args or None)
+# (name, start ns, duration ns, Python thread ident, args or None)
 Event = tuple[str, int, int, int, dict[str, Any] | None]
 
 
@@ -62,6 +63,7 @@ class Tracer:
         self.path = os.path.join(directory, f"{role}-{self.pid}.json")
         # deque.append is atomic under the GIL: any thread may record, lock-free.
         self.events: deque[Event] = deque(maxlen=max_events)
+        self._thread_ids: dict[int, int] = {}  # Python's thread ident -> the OS's
         self._thread_names: dict[int, str] = {}
         self._write_lock = threading.Lock()
         self._closed = threading.Event()
@@ -72,7 +74,9 @@ class Tracer:
 
     def complete(self, name: str, t0: int, t1: int, args: dict[str, Any] | None = None) -> None:
         """A span from `t0` to `t1` (`now_ns()` values) on the calling thread."""
-        self.events.append((name, t0, t1 - t0, threading.get_native_id(), args))
+        # get_ident is pthread_self (tens of ns); the OS thread id (a syscall) is
+        # looked up at flush time
+        self.events.append((name, t0, t1 - t0, get_ident(), args))
 
     @contextmanager
     def span(self, name: str, **args: Any) -> Iterator[None]:
@@ -86,11 +90,12 @@ class Tracer:
     def flush(self) -> None:
         """Write every buffered event to the file, whole and atomically."""
         with self._write_lock:
-            for t in threading.enumerate():  # name the threads seen so far
-                if t.native_id is not None:
+            for t in threading.enumerate():  # the threads' OS ids and names
+                if t.ident is not None and t.native_id is not None:
+                    self._thread_ids[t.ident] = t.native_id
                     self._thread_names[t.native_id] = t.name
             events = _snapshot(self.events)
-            pid = self.pid
+            pid, tids = self.pid, self._thread_ids
             out: list[dict[str, Any]] = [
                 {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": self.role}},
             ]
@@ -99,7 +104,7 @@ class Tracer:
                 for tid, n in self._thread_names.items()
             ]
             for name, t0, dur, tid, args in events:
-                e = {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": t0 / 1e3}
+                e = {"ph": "X", "name": name, "pid": pid, "tid": tids.get(tid, tid), "ts": t0 / 1e3}
                 e["dur"] = dur / 1e3
                 if args:
                     e["args"] = args
@@ -207,11 +212,12 @@ class StepRecorder:
         self.tracer = tracer
         self.timings = timings
         self.profiler = profiler
+        # a plain attribute, read by every hook: the core makes a new recorder
+        # when a profile starts or stops, and `end_step` clears it at max_steps
+        self.profiling = profiler is not None and profiler.active
         self._ranges = threading.local()
-
-    @property
-    def profiling(self) -> bool:
-        return self.profiler is not None and self.profiler.active
+        # the tracer's buffer, appended to directly: a call less per span
+        self._append = tracer.events.append if tracer is not None else None
 
     def begin(self, name: str) -> int:
         """A phase starts now; returns its start for `end`."""
@@ -224,15 +230,18 @@ class StepRecorder:
         t1 = now_ns()
         if self.profiling:
             self._exit_range()
-        if self.tracer is not None:
-            self.tracer.complete(name, t0, t1, args)
+        if self._append is not None:  # as Tracer.complete
+            self._append((name, t0, t1 - t0, get_ident(), args))
         return t1
 
     def phase(self, ended: str, t0: int, begun: str) -> int:
         """`ended` (begun at `t0`) ends and `begun` starts, now."""
-        t1 = self.end(ended, t0)
+        t1 = now_ns()
         if self.profiling:
+            self._exit_range()
             self._enter_range(begun)
+        if self._append is not None:
+            self._append((ended, t0, t1 - t0, get_ident(), None))
         return t1
 
     def start_step(self) -> int:
@@ -248,12 +257,14 @@ class StepRecorder:
         """The step begun at `t0` ends: schedule ran to `t1`, execute to `t2`,
         update (with the outputs' building) to now."""
         t3 = self.end("update", t2)
-        prof = self.profiler
-        if prof is not None and prof.active:
+        if self.profiling:
             self._exit_range()  # the step's
+            prof = self.profiler
+            assert prof is not None
             prof.num_steps += 1
             if prof.num_steps >= prof.max_steps:
                 logger.warning("the profile reached %d steps: stopping it", prof.max_steps)
+                self.profiling = False
                 prof.stop()
         if self.tracer is not None:
             args = {"batch": num_reqs, "tokens": num_tokens, "outputs": num_outputs}

@@ -214,8 +214,8 @@ class EngineCore:
         if self.tracer is not None or self.step_timings is not None or profiling:
             rec = StepRecorder(self.tracer, self.step_timings, self.profiler)
         self.recorder = rec
-        if not isinstance(self.runner, NullModelRunner):
-            self.runner.recorder = rec
+        if not isinstance(self.runner, NullModelRunner):  # its spans: for traces only
+            self.runner.recorder = rec if self.tracer is not None or profiling else None
 
     def start_profile(self) -> bool:
         """Start torch's profiler, with the step's phases as ranges, until
