@@ -23,6 +23,7 @@ torch's `record_function` ranges, from the same few hooks.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -71,6 +72,9 @@ class Tracer:
             target=self._flush_loop, args=(flush_interval_s,), name=f"trace-{role}", daemon=True
         )
         self._flusher.start()
+        # a last write at interpreter exit for owners that never call close (an
+        # in-process engine core under LLM(multiprocess=False))
+        atexit.register(self.close)
 
     def complete(self, name: str, t0: int, t1: int, args: dict[str, Any] | None = None) -> None:
         """A span from `t0` to `t1` (`now_ns()` values) on the calling thread."""
@@ -119,6 +123,7 @@ class Tracer:
         if self._closed.is_set():
             return
         self._closed.set()
+        atexit.unregister(self.close)
         self._flusher.join(timeout=5.0)
         try:
             self.flush()
