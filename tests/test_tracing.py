@@ -18,6 +18,7 @@ import pytest
 
 from asyncllm import EngineArgs, SamplingParams
 from asyncllm.engine.core import build_engine_core
+from asyncllm.errors import ConfigError
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.tracing import Tracer, now_ns
 from server_process import Server, post
@@ -259,3 +260,10 @@ def test_the_buffer_keeps_the_latest_events_and_is_written_while_running(tmp_pat
     tracer.close()
     assert not list(tmp_path.glob("*.tmp"))
     assert path.name == f"unit-{os.getpid()}.json"
+
+
+def test_a_trace_dir_that_cannot_be_made_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="trace_dir"):
+        Tracer(str(blocker / "trace"), "core")

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from threading import get_ident
 from typing import Any
 
+from asyncllm.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 now_ns = time.monotonic_ns  # the one clock of every trace (see the module docstring)
@@ -58,7 +60,12 @@ class Tracer:
         max_events: int = MAX_EVENTS,
         flush_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"EngineArgs.trace_dir={directory!r} is invalid: cannot create it ({exc})"
+            ) from None
         self.role = role
         self.pid = os.getpid()
         self.path = os.path.join(directory, f"{role}-{self.pid}.json")
