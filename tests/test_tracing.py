@@ -20,6 +20,7 @@ from asyncllm import EngineArgs, SamplingParams
 from asyncllm.engine.core import build_engine_core
 from asyncllm.errors import ConfigError
 from asyncllm.messages import EngineCoreRequest
+from asyncllm.server.cli import main
 from asyncllm.tracing import Tracer, now_ns
 from server_process import Server, post
 from tiny_models import make_tiny_model
@@ -267,3 +268,13 @@ def test_a_trace_dir_that_cannot_be_made_is_a_config_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="trace_dir"):
         Tracer(str(blocker / "trace"), "core")
+
+
+def test_bench_overhead_writes_a_trace(model_dir, tmp_path, capsys):
+    trace_dir = tmp_path / "bench-trace"
+    argv = ["bench", "overhead", str(model_dir), "--num-streams", "4", "--output-len", "8"]
+    assert main([*argv, "--trace-dir", str(trace_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace_dir"] == str(trace_dir)
+    steps = spans(load(trace_dir, "core"), "step")
+    assert sum(s["args"]["outputs"] for s in steps) == 4 * 8
+    assert spans(load(trace_dir, "frontend"), "process_batch")
