@@ -160,6 +160,7 @@ def _null_args(model: Path, delay_ms: float = 0.0, n: int = 256) -> EngineArgs:
         max_num_seqs=n,
         max_num_batched_tokens=max(4096, n * PROMPT_LEN),
         max_model_len=2048,
+        collect_step_timings=True,  # the core's step timers: what this bench reads
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncllm import envs
 from asyncllm.default_model import DEFAULT_MODEL, resolve_model
 from asyncllm.errors import ConfigError
 
@@ -61,6 +62,13 @@ class EngineArgs:
     # around the model (see asyncllm.worker.null_runner).
     executor: str = "torch"
     null_step_delay_ms: float = 0.0
+    # Observability (asyncllm.tracing): a Chrome trace of every step from both
+    # processes (default: $ASYNCLLM_TRACE_DIR, else off); the directory torch
+    # profiles go to, which enables the core's start_profile/stop_profile; and the
+    # core's per-step timers that the benchmarks read through get_step_timings.
+    trace_dir: str | None = None
+    profile_dir: str | None = None
+    collect_step_timings: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -109,6 +117,16 @@ class EngineArgs:
             and 0 <= self.null_step_delay_ms <= 60_000
         ):
             raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
+        if self.trace_dir is None:
+            self.trace_dir = envs.trace_dir()
+        for name in ("trace_dir", "profile_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str | Path) or not str(value)):
+                raise _fail(name, value, "None or a directory path")
+            if value is not None:
+                setattr(self, name, str(value))
+        if not isinstance(self.collect_step_timings, bool):
+            raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -184,6 +202,9 @@ class EngineArgs:
             cuda_kv_fraction=_DEFAULT_CUDA_KV_FRACTION,
             executor=self.executor,
             null_step_delay_ms=float(self.null_step_delay_ms),
+            trace_dir=self.trace_dir,
+            profile_dir=self.profile_dir,
+            collect_step_timings=self.collect_step_timings,
         )
 
 
@@ -206,6 +227,9 @@ class EngineConfig:
     cuda_kv_fraction: float
     executor: str
     null_step_delay_ms: float
+    trace_dir: str | None = None
+    profile_dir: str | None = None
+    collect_step_timings: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
