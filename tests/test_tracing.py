@@ -245,6 +245,17 @@ def test_env_variable_turns_tracing_on(model_dir, tmp_path, monkeypatch):
     assert [t[4] for t in core.step_timings or ()] == [1, 1, 1]  # the timers too
 
 
+def test_offline_llm_writes_both_halves(model_dir, tmp_path):
+    """`LLM` (its core in its own process) traces the front end too."""
+    from asyncllm import LLM
+
+    trace = tmp_path / "offline"
+    with LLM(str(model_dir), dtype="float32", trace_dir=str(trace)) as llm:
+        llm.generate([[1, 5, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert spans(load(trace, "core"), "step")
+    assert spans(load(trace, "frontend"), "detokenize")
+
+
 def test_the_buffer_keeps_the_latest_events_and_is_written_while_running(tmp_path):
     """Bounded: the oldest events go first. A background writer leaves a whole
     file behind even when the process never closes its tracer (a crash)."""
