@@ -61,6 +61,9 @@ class EngineArgs:
     # around the model (see asyncllm.worker.null_runner).
     executor: str = "torch"
     null_step_delay_ms: float = 0.0
+    # Overlap scheduling: schedule step N+1 and hand off step N-1 while step N's
+    # forward pass runs on a runner thread (see asyncllm.engine.overlap).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -109,6 +112,8 @@ class EngineArgs:
             and 0 <= self.null_step_delay_ms <= 60_000
         ):
             raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
+        if not isinstance(self.async_scheduling, bool):
+            raise _fail("async_scheduling", self.async_scheduling, "a bool")
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -184,6 +189,7 @@ class EngineArgs:
             cuda_kv_fraction=_DEFAULT_CUDA_KV_FRACTION,
             executor=self.executor,
             null_step_delay_ms=float(self.null_step_delay_ms),
+            async_scheduling=self.async_scheduling,
         )
 
 
@@ -206,6 +212,7 @@ class EngineConfig:
     cuda_kv_fraction: float
     executor: str
     null_step_delay_ms: float
+    async_scheduling: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

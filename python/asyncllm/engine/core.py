@@ -13,10 +13,11 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.core.async_scheduler import AsyncScheduler
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
-from asyncllm.core.scheduler_output import NewRequestData
+from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.token_checks import check_token_ids
@@ -25,6 +26,7 @@ from asyncllm.worker.null_runner import NullModelRunner
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner
+    from asyncllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +35,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, hf_config: Any, eos_token_ids: Iterable[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        # (start, schedule s, execute s, update s, outputs) of recent steps, for the
-        # gap benchmark and `get_step_timings`; a bounded ring costs one append.
-        self.step_timings: deque[tuple[float, float, float, float, int]] = deque(maxlen=20000)
+        # (start, schedule s, execute s, update s, outputs, end) of recent steps, for
+        # the gap benchmark and `get_step_timings`; a bounded ring costs one append.
+        self.step_timings: deque[tuple[float, float, float, float, int, float]] = deque(
+            maxlen=20000
+        )
         self.runner: ModelRunner | NullModelRunner
         if config.executor == "null":
             self.runner = NullModelRunner(config, hf_config)
@@ -51,7 +55,8 @@ class EngineCore:
         # Requests admitted but without an output yet: their prefix-cache hits go
         # out with their first output (see `_first_output_hits`).
         self._awaiting_first_output: dict[int, Request] = {}
-        self.scheduler = Scheduler(
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -129,14 +134,28 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Schedule, run the model, and turn the sampled tokens into outputs: one
         entry per request that produced a token."""
-        scheduler = self.scheduler
         t0 = perf_counter()
-        so = scheduler.schedule()
-        if so.new_reqs:
-            self._note_admitted(so.new_reqs)
+        so = self.schedule()
         t1 = perf_counter()
         runner_out = self.runner.execute_model(so)
         t2 = perf_counter()
+        out = self.update(so, runner_out)
+        t3 = perf_counter()
+        self.step_timings.append((t0, t1 - t0, t2 - t1, t3 - t2, len(out.req_ids), t3))
+        return out
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's plan (the first half of `step`; the overlap loop calls
+        it while the previous step still runs)."""
+        so = self.scheduler.schedule()
+        if so.new_reqs:
+            self._note_admitted(so.new_reqs)
+        return so
+
+    def update(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutputs:
+        """Apply a step's sampled tokens and build its outputs (the second half of
+        `step`)."""
+        scheduler = self.scheduler
         stepped, any_finished = scheduler.update_from_output(so, runner_out.sampled)
         req_ids = [r.request_id for r in stepped]
         out = StepOutputs(
@@ -156,7 +175,6 @@ class EngineCore:
             hits = self._first_output_hits()
             if hits:
                 out.num_cached_tokens = [hits.get(rid) for rid in req_ids]
-        self.step_timings.append((t0, t1 - t0, t2 - t1, perf_counter() - t2, len(req_ids)))
         return out
 
     def _note_admitted(self, new_reqs: list[NewRequestData]) -> None:

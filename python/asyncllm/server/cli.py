@@ -32,6 +32,7 @@ ENGINE_HELP: dict[str, str] = {
     "seed": "seed of the engine's random state",
     "executor": f"model executor, one of {', '.join(EXECUTORS)} ('null' runs no model)",
     "null_step_delay_ms": "simulated step time of the null executor, in ms",
+    "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs",
 }
 _CHOICES = {"dtype": DTYPES, "device": DEVICES, "executor": EXECUTORS}
 
