@@ -7,10 +7,11 @@ engine starts, by `EngineArgs.resolve`, into a frozen `EngineConfig`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncllm import envs
 from asyncllm.default_model import DEFAULT_MODEL, resolve_model
 from asyncllm.errors import ConfigError
 
@@ -62,8 +63,9 @@ class EngineArgs:
     executor: str = "torch"
     null_step_delay_ms: float = 0.0
     # Overlap scheduling: schedule step N+1 and hand off step N-1 while step N's
-    # forward pass runs on a runner thread (see asyncllm.engine.overlap).
-    async_scheduling: bool = False
+    # forward pass runs on a runner thread (see asyncllm.engine.overlap). Default:
+    # ASYNCLLM_ASYNC_SCHEDULING, else off.
+    async_scheduling: bool = field(default_factory=envs.async_scheduling)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):

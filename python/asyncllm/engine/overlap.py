@@ -44,6 +44,11 @@ class OverlapStepper:
         """Whether a step is in flight (its outputs are still to come)."""
         return self._inflight is not None
 
+    @property
+    def inflight_plan(self) -> SchedulerOutput | None:
+        """The plan of the step in flight, if any."""
+        return self._inflight[0] if self._inflight is not None else None
+
     def step(self) -> StepOutputs | None:
         """Launch the next step if any request is unfinished, then finish the one
         launched before it: its outputs, or None when none was in flight."""
