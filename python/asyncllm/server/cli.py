@@ -51,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = ENGINE_HELP.get(f.name, f"EngineArgs.{f.name}")
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         type_name = str(f.type)
         if type_name.startswith("bool"):
             group.add_argument(
