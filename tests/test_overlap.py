@@ -273,3 +273,42 @@ def test_mixed_batch_identical_token_for_token(multiprocess):
     (serial, serial_values), (overlap, overlap_values) = results
     assert serial == overlap
     assert overlap_values == pytest.approx(serial_values, abs=1e-4)
+
+
+# --- the overlap scheduler run ahead, on its own ---------------------------------------------
+
+
+def test_a_request_preempted_with_its_stop_token_in_flight_ends_from_the_waiting_queue():
+    from asyncllm.core.async_scheduler import AsyncScheduler
+    from asyncllm.core.kv_cache_manager import KVCacheManager
+    from asyncllm.core.request import Request, RequestStatus
+
+    sched = AsyncScheduler(
+        KVCacheManager(3, 4, True), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64
+    )
+
+    def request(rid: int, prompt: list[int]) -> Request:
+        params = SamplingParams(max_tokens=8)
+        return Request(
+            rid, prompt, params, eos_token_ids=[0], max_model_len=64, block_size=4, hash_blocks=True
+        )
+
+    a, b = request(1, [5, 6, 7, 8]), request(2, [9, 10, 11, 12])
+    sched.add_request(a)
+    sched.add_request(b)
+    first = sched.schedule()  # both prompts: one block each, one token each in flight
+    assert first.num_scheduled_tokens == {1: 4, 2: 4}
+    second = sched.schedule()  # step 1 still running: each needs a new block, one is left
+    assert second.num_scheduled_tokens == {1: 1} and second.preempted_req_ids == {2}
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 1
+    # step 1's tokens arrive: b's is EOS, so b ends although it waits to be resumed
+    stepped, finished = sched.update_from_output(first, {1: 3, 2: 0})
+    assert finished and [r.request_id for r in stepped] == [1, 2]
+    assert b.finish_reason == "stop" and b.all_token_ids[-1] == 0
+    assert b not in sched.waiting and 2 not in sched.requests
+    sched.update_from_output(second, {1: 4})
+    while sched.has_unfinished_requests():  # a runs to its length, step by step
+        so = sched.schedule()
+        sched.update_from_output(so, dict.fromkeys(so.num_scheduled_tokens, 4))
+    assert a.num_output_tokens == 8 and a.finish_reason == "length"
+    assert sched.kv_cache.num_free_blocks == 3
