@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 
-from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
+from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, InvalidRequestError, SamplingParams
 from asyncllm.engine.core import EngineCore, build_engine_core
 from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.messages import EngineCoreRequest, StepOutputs
@@ -312,3 +312,20 @@ def test_a_request_preempted_with_its_stop_token_in_flight_ends_from_the_waiting
         sched.update_from_output(so, dict.fromkeys(so.num_scheduled_tokens, 4))
     assert a.num_output_tokens == 8 and a.finish_reason == "length"
     assert sched.kv_cache.num_free_blocks == 3
+
+
+def test_an_id_that_may_be_in_flight_is_not_taken_again():
+    core, stepper = null_core(True)
+    core.add_request(EngineCoreRequest(1, PROMPT, SamplingParams(max_tokens=50)))
+    assert stepper is not None
+    while stepper.step() is None:  # until step 0 is out and step 1 in flight
+        pass
+    core.abort_requests([1])  # request 1 is in the step in flight
+    with pytest.raises(InvalidRequestError, match="already running"):
+        core.add_request(EngineCoreRequest(1, PROMPT, SamplingParams(max_tokens=5)))
+    while stepper.busy or core.has_unfinished_requests():
+        stepper.step()
+    core.add_request(EngineCoreRequest(1, PROMPT, SamplingParams(max_tokens=5)))  # free now
+    tokens, reasons = drive(core, stepper)
+    assert tokens[1] == [null_token(1, len(PROMPT) + i, VOCAB) for i in range(5)]
+    assert_all_free(core)

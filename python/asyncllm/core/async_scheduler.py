@@ -18,14 +18,28 @@ as in serial mode, where they are registered after the step ran.
 
 from __future__ import annotations
 
+from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import SchedulerOutput
 
 
 class AsyncScheduler(Scheduler):
+    def __init__(self, kv_cache: KVCacheManager, **limits: int) -> None:
+        super().__init__(kv_cache, **limits)
+        # The latest plan's scheduled tokens until its update: the step in flight.
+        self._planned: dict[int, int] = {}
+
+    def id_in_use(self, request_id: int) -> bool:
+        # A request that ended while in the step in flight: a new request under
+        # its id would receive that step's token for it.
+        return request_id in self.requests or (
+            request_id in self._planned and request_id in self._finished_ids
+        )
+
     def schedule(self) -> SchedulerOutput:
         so = super().schedule()
+        self._planned = so.num_scheduled_tokens
         requests = self.requests
         kv = self.kv_cache
         bs = kv.block_size
@@ -53,6 +67,8 @@ class AsyncScheduler(Scheduler):
         """Append the tokens step N sampled (its requests' progress was counted
         when it was scheduled) and finish the ones that must stop. Returns the
         requests that produced a token, and whether any finished."""
+        if scheduler_output.num_scheduled_tokens is self._planned:
+            self._planned = {}
         kv = self.kv_cache
         requests = self.requests
         bs = kv.block_size

@@ -49,8 +49,12 @@ class Scheduler:
 
     # -- admission and removal ------------------------------------------------
 
+    def id_in_use(self, request_id: int) -> bool:
+        """Whether a new request may not take this id now (it is unfinished)."""
+        return request_id in self.requests
+
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if self.id_in_use(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -101,7 +101,7 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest | Request) -> None:
         request = req if isinstance(req, Request) else self.make_request(req)
-        if request.request_id in self.scheduler.requests:
+        if self.scheduler.id_in_use(request.request_id):
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(request)
 

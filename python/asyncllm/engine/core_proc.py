@@ -209,7 +209,7 @@ class EngineCoreProc:
         if kind == "add":
             _, requests, rejected = item
             for request in requests:
-                if request.request_id in core.scheduler.requests:
+                if core.scheduler.id_in_use(request.request_id):
                     rejected.append((request.request_id, "duplicate wire id"))
                 else:
                     core.add_request(request)
