@@ -5,7 +5,9 @@ chunk of a prompt that did not fit before); waiting requests then get prompt
 tokens with what is left of `max_num_batched_tokens` and `max_num_seqs`. When the
 KV pool runs dry the most recently admitted running request is preempted: its
 blocks are freed and it is recomputed later (its own blocks often come back from
-the prefix cache).
+the prefix cache). With overlap scheduling, `AsyncScheduler` (core.async_scheduler)
+plans a step while the previous one runs, counting each in-flight token as a
+placeholder (`Request.num_output_placeholders`, always 0 here).
 """
 
 from __future__ import annotations
