@@ -53,7 +53,13 @@ def run_engine(model_dir: Path, prompts, outs, sampling: str) -> dict:
     """The user's path: `LLM` with its engine core in its own process."""
     from asyncllm import LLM, SamplingParams
 
-    with LLM(str(model_dir), dtype="float32", max_num_seqs=256, max_num_batched_tokens=4096) as llm:
+    with LLM(
+        str(model_dir),
+        dtype="float32",
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        collect_step_timings=True,  # the core's step timers, read below
+    ) as llm:
         kw = SAMPLING[sampling]
         params = [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n in outs]
         t0 = time.perf_counter()

@@ -66,6 +66,13 @@ class EngineArgs:
     # forward pass runs on a runner thread (see asyncllm.engine.overlap). Default:
     # ASYNCLLM_ASYNC_SCHEDULING, else off.
     async_scheduling: bool = field(default_factory=envs.async_scheduling)
+    # Observability (asyncllm.tracing): a Chrome trace of every step from both
+    # processes (default: $ASYNCLLM_TRACE_DIR, else off); the directory torch
+    # profiles go to, which enables the core's start_profile/stop_profile; and the
+    # core's per-step timers that the benchmarks read through get_step_timings.
+    trace_dir: str | None = None
+    profile_dir: str | None = None
+    collect_step_timings: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -116,6 +123,16 @@ class EngineArgs:
             raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
         if not isinstance(self.async_scheduling, bool):
             raise _fail("async_scheduling", self.async_scheduling, "a bool")
+        if self.trace_dir is None:
+            self.trace_dir = envs.trace_dir()
+        for name in ("trace_dir", "profile_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str | Path) or not str(value)):
+                raise _fail(name, value, "None or a directory path")
+            if value is not None:
+                setattr(self, name, str(value))
+        if not isinstance(self.collect_step_timings, bool):
+            raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -192,6 +209,9 @@ class EngineArgs:
             executor=self.executor,
             null_step_delay_ms=float(self.null_step_delay_ms),
             async_scheduling=self.async_scheduling,
+            trace_dir=self.trace_dir,
+            profile_dir=self.profile_dir,
+            collect_step_timings=self.collect_step_timings,
         )
 
 
@@ -215,6 +235,9 @@ class EngineConfig:
     executor: str
     null_step_delay_ms: float
     async_scheduling: bool = False
+    trace_dir: str | None = None
+    profile_dir: str | None = None
+    collect_step_timings: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -52,3 +52,11 @@ def api_key() -> str | None:
     in the process list."""
     value = os.environ.get("ASYNCLLM_API_KEY", "")
     return value or None
+
+
+def trace_dir() -> str | None:
+    """ASYNCLLM_TRACE_DIR (default unset): write a Chrome trace-event timeline of
+    every step from the engine core and the front end into this directory (see
+    asyncllm.tracing); the same as EngineArgs.trace_dir / --trace-dir."""
+    value = os.environ.get("ASYNCLLM_TRACE_DIR", "")
+    return value or None

@@ -9,7 +9,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineArgs, EngineConfig
@@ -22,6 +21,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
+from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
 from asyncllm.worker.null_runner import NullModelRunner
 
 if TYPE_CHECKING:
@@ -35,11 +35,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig, hf_config: Any, eos_token_ids: Iterable[int]) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        # (start, schedule s, execute s, update s, outputs, end) of recent steps, for
-        # the gap benchmark and `get_step_timings`; a bounded ring costs one append.
-        self.step_timings: deque[tuple[float, float, float, float, int, float]] = deque(
-            maxlen=20000
+        # (start, schedule s, execute s, update s, outputs) of recent steps, for the
+        # benchmarks (`get_step_timings`); kept only when they ask for them.
+        self.step_timings: deque[tuple[float, float, float, float, int]] | None = (
+            deque(maxlen=20000) if config.collect_step_timings else None
         )
+        self.tracer = Tracer(config.trace_dir, "core") if config.trace_dir else None
+        self.profiler = TorchProfiler(config.profile_dir) if config.profile_dir else None
+        # The step's hooks: None (nothing recorded, nothing timed) unless tracing,
+        # profiling or step timers are on.
+        self.recorder: StepRecorder | None = None
         self.runner: ModelRunner | NullModelRunner
         if config.executor == "null":
             self.runner = NullModelRunner(config, hf_config)
@@ -62,6 +67,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
         )
+        self._set_recorder()
         logger.info(
             "engine core ready: %d KV blocks of %d tokens, max_model_len=%d, device=%s",
             self.num_kv_blocks,
@@ -134,14 +140,19 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Schedule, run the model, and turn the sampled tokens into outputs: one
         entry per request that produced a token."""
-        t0 = perf_counter()
+        rec = self.recorder
+        if rec is not None:
+            t0 = rec.start_step()
         so = self.schedule()
-        t1 = perf_counter()
+        if rec is not None:
+            t1 = rec.phase("schedule", t0, "execute")
         runner_out = self.runner.execute_model(so)
-        t2 = perf_counter()
+        if rec is not None:
+            t2 = rec.phase("execute", t1, "update")
         out = self.update(so, runner_out)
-        t3 = perf_counter()
-        self.step_timings.append((t0, t1 - t0, t2 - t1, t3 - t2, len(out.req_ids), t3))
+        if rec is not None:
+            n = so.total_num_scheduled_tokens
+            rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(out.req_ids))
         return out
 
     def schedule(self) -> SchedulerOutput:
@@ -207,6 +218,42 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.pool.reset_prefix_cache()
+
+    # -- tracing and profiling (asyncllm.tracing) --------------------------------
+
+    def _set_recorder(self) -> None:
+        """Give the step (and the model runner) a recorder while one of its jobs
+        is on, and None otherwise."""
+        profiling = self.profiler is not None and self.profiler.active
+        rec = None
+        if self.tracer is not None or self.step_timings is not None or profiling:
+            rec = StepRecorder(self.tracer, self.step_timings, self.profiler)
+        self.recorder = rec
+        if not isinstance(self.runner, NullModelRunner):  # its spans: for traces only
+            self.runner.recorder = rec if self.tracer is not None or profiling else None
+
+    def start_profile(self) -> bool:
+        """Start torch's profiler, with the step's phases as ranges, until
+        `stop_profile` (or MAX_PROFILE_STEPS steps). Needs EngineArgs.profile_dir."""
+        if self.profiler is None:
+            raise ValueError("profiling is off: start the engine with a profile_dir")
+        self.profiler.start()
+        self._set_recorder()
+        return True
+
+    def stop_profile(self) -> dict[str, Any]:
+        """Stop the profile and write its trace; returns its path and step count."""
+        if self.profiler is None:
+            raise ValueError("profiling is off: start the engine with a profile_dir")
+        try:
+            return self.profiler.stop()
+        finally:
+            self._set_recorder()
+
+    def close(self) -> None:
+        """Write the trace (if any) for the last time."""
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 def build_engine_core(args: EngineArgs) -> EngineCore:

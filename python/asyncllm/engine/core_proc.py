@@ -48,6 +48,7 @@ from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError
 from asyncllm.messages import StepOutputs
+from asyncllm.tracing import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,12 @@ class EngineCoreProc:
         self.ctx = context or zmq.Context.instance()
         self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue(_INPUT_QUEUE_SIZE)
         self.output_queue: queue.Queue[Any] = queue.Queue(_OUTPUT_QUEUE_SIZE)
-        # Per step with outputs: the cost of handing them to the output thread,
-        # and, separately, how long a full output queue made the loop wait.
+        # Per step with outputs: the cost of handing them to the output thread
+        # (kept for the benchmarks only: EngineArgs.collect_step_timings), and,
+        # separately, how long a full output queue made the loop wait (rare).
         self.handoff_times: deque[float] = deque(maxlen=20000)
         self.backpressure_waits: deque[float] = deque(maxlen=20000)
+        self._tracer: Tracer | None = None  # the core's, once it is built
         self._shutdown = False
         # The first failure of any thread; once set, the busy loop stops.
         self.failure: BaseException | None = None
@@ -101,6 +104,7 @@ class EngineCoreProc:
             self.close()
             raise
         core = self.core
+        self._tracer = core.tracer
         ready = _core.Ready(
             max_model_len=core.config.max_model_len,
             num_kv_blocks=core.num_kv_blocks,
@@ -140,6 +144,9 @@ class EngineCoreProc:
         backpressure = self.backpressure_waits.append
         has_unfinished = core.scheduler.has_unfinished_requests
         pending_inputs = self.input_queue.queue  # its deque: read without the lock
+        tracer = core.tracer
+        # the hand-off's timer: for the benchmarks' step timings and the trace
+        timed = core.step_timings is not None or tracer is not None
         while not self._shutdown:
             if pending_inputs or not has_unfinished():
                 self._process_inputs(block=not has_unfinished())
@@ -147,7 +154,8 @@ class EngineCoreProc:
                     continue
             outputs = core.step()
             if outputs.req_ids:
-                t0 = perf_counter()
+                if timed:
+                    t0 = now_ns()
                 try:
                     put_nowait(outputs)
                 except queue.Full:  # the front end lags: wait for it (back-pressure)
@@ -155,8 +163,13 @@ class EngineCoreProc:
                     self._put_output(outputs)
                     waited = perf_counter() - t1
                     backpressure(waited)
-                    t0 += waited  # the hand-off's cost, without the wait
-                handoff(perf_counter() - t0)
+                    if timed:
+                        t0 += int(waited * 1e9)  # the hand-off's cost, without the wait
+                if timed:
+                    t1_ns = now_ns()
+                    handoff((t1_ns - t0) / 1e9)
+                    if tracer is not None:
+                        tracer.complete("handoff", t0, t1_ns, {"outputs": len(outputs.req_ids)})
 
     def _overlap_loop(self, core: EngineCore) -> None:
         """The busy loop with overlap scheduling (asyncllm.engine.overlap): the
@@ -178,9 +191,14 @@ class EngineCoreProc:
             stepper.close()
 
     def _hand_off(self, outputs: StepOutputs) -> None:
-        """Queue a step's outputs for the output thread, timing the hand-off and,
-        apart, any wait on a full queue (back-pressure)."""
-        t0 = perf_counter()
+        """Queue a step's outputs for the output thread; any wait on a full queue
+        (back-pressure) is counted, and the hand-off timed as in `_busy_loop`."""
+        core = self.core
+        assert core is not None
+        tracer = core.tracer
+        timed = core.step_timings is not None or tracer is not None
+        if timed:
+            t0 = now_ns()
         try:
             self.output_queue.put_nowait(outputs)
         except queue.Full:  # the front end lags: wait for it (back-pressure)
@@ -188,8 +206,13 @@ class EngineCoreProc:
             self._put_output(outputs)
             waited = perf_counter() - t1
             self.backpressure_waits.append(waited)
-            t0 += waited
-        self.handoff_times.append(perf_counter() - t0)
+            if timed:
+                t0 += int(waited * 1e9)  # the hand-off's cost, without the wait
+        if timed:
+            t1_ns = now_ns()
+            self.handoff_times.append((t1_ns - t0) / 1e9)
+            if tracer is not None:
+                tracer.complete("handoff", t0, t1_ns, {"outputs": len(outputs.req_ids)})
 
     def _process_inputs(self, block: bool) -> None:
         q = self.input_queue
@@ -257,23 +280,31 @@ class EngineCoreProc:
             }
         if method == "reset_prefix_cache":
             return core.reset_prefix_cache()
+        if method == "start_profile":
+            return core.start_profile()
+        if method == "stop_profile":
+            return core.stop_profile()
         if method == "get_step_timings":
-            timings = list(core.step_timings)
-            handoff = list(self.handoff_times)
+            # The step and hand-off timers run only with collect_step_timings (their
+            # lists are empty otherwise); back-pressure waits are always counted.
+            timings = list(core.step_timings or ())
+            handoff = list(self.handoff_times) if core.step_timings is not None else []
             backpressure = list(self.backpressure_waits)
-            spans = list(self.stepper.exec_spans) if self.stepper is not None else []
-            exec_start, exec_end = [s[0] for s in spans], [s[1] for s in spans]
+            spans = list(self.stepper.spans) if self.stepper is not None else []
             if args and args.get("clear"):
-                core.step_timings.clear()
+                if core.step_timings is not None:
+                    core.step_timings.clear()
                 self.handoff_times.clear()
                 self.backpressure_waits.clear()
                 if self.stepper is not None:
-                    self.stepper.exec_spans.clear()
+                    self.stepper.spans.clear()
             return {
-                "end": [t[5] for t in timings],
-                # overlap only: the forwards on the runner thread
-                "exec_start": exec_start,
-                "exec_end": exec_end,
+                "collect_step_timings": core.step_timings is not None,
+                # overlap only: per step the forward on the runner thread and the
+                # update's end (the core's busy time and wall time)
+                "exec_start": [x[0] / 1e9 for x in spans],
+                "exec_end": [x[1] / 1e9 for x in spans],
+                "end": [x[2] / 1e9 for x in spans],
                 "start": [t[0] for t in timings],
                 "schedule": [t[1] for t in timings],
                 "execute": [t[2] for t in timings],
@@ -337,8 +368,17 @@ class EngineCoreProc:
                 item = get()
                 if item is _Stop:
                     return
+                tracer = self._tracer
+                if tracer is not None:
+                    t0 = now_ns()
                 frame = item.encode() if isinstance(item, StepOutputs) else item
+                if tracer is not None:
+                    t1 = now_ns()
                 sock.send(frame, copy=False)
+                if tracer is not None:
+                    args = {"bytes": len(frame)}
+                    tracer.complete("encode", t0, t1, args)
+                    tracer.complete("send", t1, now_ns(), args)
         except zmq.ContextTerminated:
             return
         except BaseException as exc:
@@ -403,6 +443,8 @@ class EngineCoreProc:
         limit = _LINGER_MS / 1000 + 1
         self._put_output(_Stop, timeout=limit)
         self._output_thread.join(timeout=limit)
+        if self.core is not None:
+            self.core.close()
 
 
 def _describe(exc: BaseException) -> str:

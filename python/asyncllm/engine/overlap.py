@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
-from time import perf_counter
 
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.engine.core import EngineCore
@@ -27,17 +26,21 @@ from asyncllm.worker.runner_thread import RunnerFailedError, RunnerThread, Timed
 
 class OverlapStepper:
     """Drives an `EngineCore` built with `async_scheduling` (the core process's
-    busy loop and `LLMEngine(multiprocess=False)` both step it)."""
+    busy loop and `LLMEngine(multiprocess=False)` both step it). With a trace,
+    schedule and update are spans of the stepping thread and execute one of the
+    runner thread (the runner's own phases nest in it); steps overlap in time, so
+    there is no enclosing step span."""
 
     def __init__(self, core: EngineCore) -> None:
         if not core.config.async_scheduling:
             raise ValueError("OverlapStepper needs an engine core with async_scheduling")
         self.core = core
         self._runner = RunnerThread(core.runner)
-        # (plan, its result, schedule start, schedule seconds) of the step in flight
-        self._inflight: tuple[SchedulerOutput, Future[TimedOutput], float, float] | None = None
-        # (start, end) of each forward on the runner thread, for the benchmarks
-        self.exec_spans: deque[tuple[float, float]] = deque(maxlen=20000)
+        # (plan, its result, schedule start and end (ns)) of the step in flight
+        self._inflight: tuple[SchedulerOutput, Future[TimedOutput], int, int] | None = None
+        # (forward start, forward end, update end) per step, on the trace clock,
+        # while the core keeps step timings (the benchmarks)
+        self.spans: deque[tuple[int, int, int]] = deque(maxlen=20000)
 
     @property
     def busy(self) -> bool:
@@ -53,24 +56,35 @@ class OverlapStepper:
         """Launch the next step if any request is unfinished, then finish the one
         launched before it: its outputs, or None when none was in flight."""
         core = self.core
+        rec = core.recorder
         launched = None
         if core.scheduler.has_unfinished_requests():
-            t0 = perf_counter()
+            t0 = rec.begin("schedule") if rec is not None else 0
             so = core.schedule()
-            launched = (so, self._runner.submit(so), t0, perf_counter() - t0)
+            t1 = rec.end("schedule", t0) if rec is not None else 0
+            launched = (so, self._runner.submit(so), t0, t1)
         previous, self._inflight = self._inflight, launched
         if previous is None:
             return None
-        so, future, t0, schedule_s = previous
+        so, future, t0, t1 = previous
         try:
-            runner_out, e0, e1 = future.result()
+            runner_out, e0, e1, runner_tid = future.result()
         except BaseException as exc:
             raise RunnerFailedError(f"the model runner thread failed: {exc!r}") from exc
-        t2 = perf_counter()
+        if rec is None:
+            return core.update(so, runner_out)
+        t2 = rec.begin("update")
         out = core.update(so, runner_out)
-        t3 = perf_counter()
-        core.step_timings.append((t0, schedule_s, e1 - e0, t3 - t2, len(out.req_ids), t3))
-        self.exec_spans.append((e0, e1))
+        t3 = rec.end("update", t2, {"outputs": len(out.req_ids)})
+        if rec.tracer is not None:  # the forward, on the runner thread's track
+            args = {"batch": len(so.num_scheduled_tokens), "tokens": so.total_num_scheduled_tokens}
+            rec.tracer.events.append(("execute", e0, e1 - e0, runner_tid, args))
+        timings = core.step_timings
+        if timings is not None:
+            timings.append(
+                (t0 / 1e9, (t1 - t0) / 1e9, (e1 - e0) / 1e9, (t3 - t2) / 1e9, len(out.req_ids))
+            )
+            self.spans.append((e0, e1, t3))
         return out
 
     def close(self) -> None:

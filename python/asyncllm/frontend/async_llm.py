@@ -40,6 +40,7 @@ from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.tracing import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +74,26 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None  # set when batches arrive
         self._dead_event: asyncio.Event | None = None  # set once when the engine dies
         self._closed = False
-        self.client = MPClient(
-            args,
-            self._on_output,
-            self._on_dead,
-            in_thread=not multiprocess,
-            startup_timeout=startup_timeout,
-        )
-        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        # This process's half of the timeline (the core writes the other half).
+        self.tracer = Tracer(args.trace_dir, "frontend") if args.trace_dir else None
+        try:
+            self.client = MPClient(
+                args,
+                self._on_output,
+                self._on_dead,
+                in_thread=not multiprocess,
+                startup_timeout=startup_timeout,
+                tracer=self.tracer,
+            )
+        except BaseException:
+            if self.tracer is not None:
+                self.tracer.close()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self.client, self.tracer)
         ready = self.client.ready
         self.max_model_len = ready.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._parents: dict[str, ParentState] = {}
         self._wire_ids = itertools.count()
@@ -299,6 +308,9 @@ class AsyncLLM:
 
     def _process_batch(self, batch: _core.OutputBatch) -> None:
         """One step's outputs to their collectors (the front end's hot path)."""
+        tracer = self.tracer
+        if tracer is not None:
+            t0 = now_ns()
         try:
             outputs, stopped = self.output_processor.process_outputs(batch)
         except Exception as exc:
@@ -310,6 +322,8 @@ class AsyncLLM:
             logger.critical("output processing panicked", exc_info=exc)
             self._fail_all(EngineDeadError(f"the front end's output processing panicked: {exc!r}"))
             return
+        if tracer is not None:
+            t1 = now_ns()
         collectors = self._collectors
         for out in outputs:
             collector = collectors.get(out.request_id)
@@ -318,6 +332,10 @@ class AsyncLLM:
         if stopped:
             with contextlib.suppress(EngineDeadError):
                 self.client.abort_requests(stopped)
+        if tracer is not None:
+            t2 = now_ns()
+            tracer.complete("collect", t1, t2, {"requests": len(outputs)})
+            tracer.complete("process_batch", t0, t2, {"outputs": len(batch)})
 
     def _fail_batch(self, batch: _core.OutputBatch, exc: BaseException) -> None:
         """Fail the requests a batch names, abort them in the core, keep serving."""
@@ -344,3 +362,10 @@ class AsyncLLM:
                 collector.put_error(error)
             with contextlib.suppress(EngineDeadError):
                 self.client.abort_requests(core_ids)
+
+
+def _shutdown(client: MPClient, tracer: Tracer | None) -> None:
+    """Stop the core, then write this process's trace for the last time."""
+    client.shutdown()
+    if tracer is not None:
+        tracer.close()

@@ -31,6 +31,7 @@ from asyncllm import _core
 from asyncllm.config import EngineArgs
 from asyncllm.engine.launcher import CoreProcess
 from asyncllm.errors import EngineDeadError, EngineStartupError
+from asyncllm.tracing import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ class MPClient:
         *,
         in_thread: bool = False,
         startup_timeout: float = 300.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self._on_output = on_output
+        self._tracer = tracer  # spans for each frame received (asyncllm.tracing)
         self._on_dead = on_dead
         self._lock = threading.Lock()  # `dead` and `_calls`; never held while sending
         self._send_lock = threading.Condition()  # the input socket and the backlog
@@ -211,20 +214,31 @@ class MPClient:
         sock = self._output
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        tracer = self._tracer
         try:
             while not self._closing:
                 if not poller.poll(_POLL_MS):
                     continue
                 try:
+                    if tracer is not None:
+                        t0 = now_ns()
                     frame = sock.recv(copy=False)
+                    if tracer is not None:
+                        t1 = now_ns()
                     msg_type, payload = _core.decode_message(frame.buffer)
                 except zmq.ZMQError:
                     return
                 except _core.WireError as exc:
                     logger.error("dropped a malformed frame from the engine core: %s", exc)
                     continue
+                if tracer is not None:
+                    t2 = now_ns()
+                    tracer.complete("receive", t0, t1, {"bytes": len(frame.buffer)})
+                    tracer.complete("decode", t1, t2, {"type": msg_type})
                 if msg_type == _core.MSG_OUTPUT_BATCH:
                     self._on_output(payload)
+                    if tracer is not None:
+                        tracer.complete("enqueue", t2, now_ns(), {"outputs": len(payload)})
                 elif msg_type == _core.MSG_UTILITY_RESULT:
                     self._complete_call(*payload)
                 elif msg_type == _core.MSG_ENGINE_ERROR:

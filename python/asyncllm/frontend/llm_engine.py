@@ -21,6 +21,7 @@ from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.tracing import Tracer
 
 _DEAD_POLL_S = 1.0
 _MAX_PENDING_BATCHES = 64  # bounded: a caller that stops stepping makes the core wait
@@ -34,11 +35,18 @@ class LLMEngine:
         self.client: MPClient | None = None
         self.core: EngineCore | None = None
         self._stepper: OverlapStepper | None = None
+        # This process's half of the timeline (the core writes the other half).
+        self.tracer = Tracer(args.trace_dir, "frontend") if args.trace_dir else None
         if multiprocess:
             self._batches: queue.Queue[_core.OutputBatch | EngineDeadError] = queue.Queue(
                 _MAX_PENDING_BATCHES
             )
-            self.client = MPClient(args, self._on_output, self._on_dead)
+            try:
+                self.client = MPClient(args, self._on_output, self._on_dead, tracer=self.tracer)
+            except BaseException:
+                if self.tracer is not None:
+                    self.tracer.close()
+                raise
             ready = self.client.ready
             self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         else:
@@ -48,7 +56,7 @@ class LLMEngine:
             self.max_model_len = self.core.config.max_model_len
             self.vocab_size = self.core.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
         self._parents: dict[str, ParentState] = {}
         self._counter = itertools.count()
         self._wire_ids = itertools.count()
@@ -126,6 +134,8 @@ class LLMEngine:
             self._stepper.close()
         if self.client is not None:
             self.client.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
 
     def _on_output(self, batch: _core.OutputBatch) -> None:
         """Receiver thread: wait while the queue is full (back-pressure on the core)."""

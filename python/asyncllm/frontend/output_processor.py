@@ -16,6 +16,7 @@ from asyncllm._core import Detokenizer, Logprobs, OutputBatch
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.tracing import Tracer, now_ns
 
 
 @dataclass
@@ -53,8 +54,9 @@ class ChildState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tracer: Tracer | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tracer = tracer  # spans per step batch (asyncllm.tracing); None: off
         # Each token's text for logprob entries, decoded once per token id: rows of
         # top-N repeat the same few thousand ids, and a decode per entry (n=50 x
         # logprobs=20 x 400 tokens is 400k decodes) stalled the event loop for seconds.
@@ -91,6 +93,9 @@ class OutputProcessor:
     def process_outputs(self, batch: OutputBatch) -> tuple[list[RequestOutput], list[int]]:
         """Absorb one step's outputs. Returns the RequestOutputs due now and the core
         ids of requests a stop string just finished, which the core must abort."""
+        tracer = self.tracer
+        if tracer is not None:
+            t0 = now_ns()
         children = self.children
         wire_ids = batch.wire_ids
         if not wire_ids:
@@ -109,9 +114,14 @@ class OutputProcessor:
                 return [], []
             wire_ids = [wire_ids[i] for i in idx]
             new_tokens = [new_tokens[i] for i in idx]
+        if tracer is not None:
+            t1 = now_ns()
+        # incremental detokenizing and the stop-string search, in one Rust call
         result = self.detokenizer.step(
             wire_ids, new_tokens, [w for w in wire_ids if w in finished_ids]
         )
+        if tracer is not None:
+            t2 = now_ns()
         texts = result.texts
         stops = {pos: (stop, kept) for pos, stop, kept in result.stops} if result.stops else {}
         has_logprobs = self._num_with_logprobs > 0
@@ -154,7 +164,16 @@ class OutputProcessor:
                 self._forget(child)
             if parent.params.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished:
                 due[parent.request_id] = parent
-        return [self._make_output(p) for p in due.values()], stopped
+        if tracer is None:
+            return [self._make_output(p) for p in due.values()], stopped
+        t3 = now_ns()
+        outputs = [self._make_output(p) for p in due.values()]
+        n = len(wire_ids)
+        tracer.complete("columns", t0, t1, {"outputs": n})
+        tracer.complete("detokenize", t1, t2, {"outputs": n, "stops": len(stops)})
+        tracer.complete("update_requests", t2, t3, {"outputs": n, "stopped": len(stopped)})
+        tracer.complete("make_outputs", t3, now_ns(), {"requests": len(outputs)})
+        return outputs, stopped
 
     def abort(self, core_ids: list[int]) -> list[RequestOutput]:
         """Finish children the front end gave up on (the caller aborts them in the

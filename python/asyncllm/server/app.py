@@ -71,6 +71,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
         Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
         Route("/version", h.version, methods=["GET"]),
     ]
+    if engine.args.profile_dir:  # torch profiling of the core: only when asked for
+        routes += [
+            Route("/start_profile", h.start_profile, methods=["POST"]),
+            Route("/stop_profile", h.stop_profile, methods=["POST"]),
+        ]
     app = Starlette(
         routes=routes,
         exception_handlers={

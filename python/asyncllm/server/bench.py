@@ -105,6 +105,11 @@ def add_parser(sub: Any) -> None:
     o.add_argument(
         "--delay-ms", type=float, default=0.0, help="null executor's sleep per step (GIL free)"
     )
+    o.add_argument(
+        "--trace-dir",
+        default=None,
+        help="also write the run's Chrome trace-event timeline (both processes) here",
+    )
     o.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -328,6 +333,8 @@ async def bench_overhead(ns: argparse.Namespace) -> dict[str, Any]:
         null_step_delay_ms=ns.delay_ms,
         max_num_seqs=max(256, ns.num_streams),
         max_num_batched_tokens=max(4096, 16 * ns.num_streams),
+        trace_dir=getattr(ns, "trace_dir", None),
+        collect_step_timings=True,
     )
     engine = AsyncLLM.from_engine_args(args)
     params = SamplingParams(
@@ -375,6 +382,7 @@ async def bench_overhead(ns: argparse.Namespace) -> dict[str, Any]:
         "gap_us": gap + handoff,
         "steps_per_s": num_steps / elapsed,
         "output_token_throughput": ns.num_streams * ns.output_len / elapsed,
+        "trace_dir": args.trace_dir,
     }
 
 

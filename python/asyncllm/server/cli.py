@@ -33,6 +33,13 @@ ENGINE_HELP: dict[str, str] = {
     "executor": f"model executor, one of {', '.join(EXECUTORS)} ('null' runs no model)",
     "null_step_delay_ms": "simulated step time of the null executor, in ms",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs",
+    "trace_dir": "write a Chrome trace-event timeline of every step, from the engine core "
+    "and the front end, into this directory (Perfetto opens it; default: "
+    "$ASYNCLLM_TRACE_DIR, else off)",
+    "profile_dir": "enable torch profiling of the engine core (POST /start_profile and "
+    "/stop_profile on the server); traces go to this directory",
+    "collect_step_timings": "keep the engine core's per-step timers for get_step_timings "
+    "(benchmarks)",
 }
 _CHOICES = {"dtype": DTYPES, "device": DEVICES, "executor": EXECUTORS}
 

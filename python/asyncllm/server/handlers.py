@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 _HEALTH_TIMEOUT_S = 5.0
 _STATS_TIMEOUT_S = 5.0
 _UTILITY_TIMEOUT_S = 30.0
+_PROFILE_STOP_TIMEOUT_S = 300.0  # writing a long window's trace takes a while
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -125,6 +126,26 @@ class Handlers:
             raise APIError(503, "the engine is not running", code="engine_dead")
         reset = await self.engine.call_utility("reset_prefix_cache", None, _UTILITY_TIMEOUT_S)
         return json_response({"reset": bool(reset)})
+
+    async def start_profile(self, request: Request) -> Response:
+        """Start torch's profiler in the engine core (routed only with
+        --profile-dir; behind the API key). 409 if a profile is running."""
+        await self._profile_call("start_profile", _UTILITY_TIMEOUT_S)
+        return json_response({"profiling": True})
+
+    async def stop_profile(self, request: Request) -> Response:
+        """Stop the profile and write its trace into --profile-dir; answers the
+        trace's path and the steps it covers. 409 if none is running."""
+        result = await self._profile_call("stop_profile", _PROFILE_STOP_TIMEOUT_S)
+        return json_response({"profiling": False, **result})
+
+    async def _profile_call(self, method: str, timeout: float) -> Any:
+        if self.engine.errored:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        try:
+            return await self.engine.call_utility(method, None, timeout)
+        except RuntimeError as exc:  # the core refused: already running, or none
+            raise APIError(409, str(exc).removeprefix("engine core utility call: ")) from None
 
     async def version(self, request: Request) -> Response:
         return json_response({"version": __version__})

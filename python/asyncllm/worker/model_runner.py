@@ -20,6 +20,7 @@ from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.messages import Logprobs
 from asyncllm.models.attention import build_attention_metadata
 from asyncllm.models.loader import load_model
+from asyncllm.tracing import StepRecorder
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
@@ -46,12 +47,19 @@ class ModelRunner:
         # where it was without keeping any generator state.
         self.sampler = Sampler(config.seed)
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
+        # Set by the engine core while tracing or profiling (asyncllm.tracing).
+        self.recorder: StepRecorder | None = None
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         ib = self.input_batch
+        rec = self.recorder
+        if rec is not None:
+            t = rec.begin("prepare_inputs")
         self._update_states(so)
         if so.is_empty:
+            if rec is not None:
+                rec.end("prepare_inputs", t)
             return ModelRunnerOutput()
 
         req_ids = list(so.num_scheduled_tokens)
@@ -79,12 +87,13 @@ class ModelRunner:
         meta = build_attention_metadata(
             q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device
         )
-        hidden = self.model(
-            torch.from_numpy(input_ids.astype(np.int64)).to(self.device),
-            torch.from_numpy(pos).to(self.device),
-            self.kv_caches,
-            meta,
-        )
+        input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(self.device)
+        pos_t = torch.from_numpy(pos).to(self.device)
+        if rec is not None:
+            t = rec.phase("prepare_inputs", t, "forward")
+        hidden = self.model(input_ids_t, pos_t, self.kv_caches, meta)
+        if rec is not None:  # on CUDA: the launches; the wait shows in sampling
+            rec.end("forward", t, {"batch": n, "tokens": total})
 
         done = seq_lens == ib.num_tokens[rows]  # all known tokens computed: sample
         ib.num_computed[rows] = seq_lens
@@ -96,6 +105,8 @@ class ModelRunner:
             )
         if not done.any():
             return out
+        if rec is not None:
+            t = rec.begin("sampling")
         sample_rows = rows[done]
         idx = torch.from_numpy((cu - 1)[done]).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
@@ -114,6 +125,8 @@ class ModelRunner:
         out.sampled = dict(zip(done_ids, sampled_np.tolist(), strict=True))
         if result.logprob_ids is not None:
             self._collect_logprobs(out, result, done_ids, sample_rows)
+        if rec is not None:
+            rec.end("sampling", t, {"batch": len(done_ids)})
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -12,14 +12,16 @@ engine like any failure of its own.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from time import perf_counter
+from threading import get_ident
 from typing import Protocol
 
 from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.tracing import now_ns
 from asyncllm.worker.runner_output import ModelRunnerOutput
 
-# (the runner's output, the forward's start and end on the perf_counter clock)
-TimedOutput = tuple[ModelRunnerOutput, float, float]
+# (the runner's output, the step's start and end on the trace clock (ns), and the
+# runner thread's ident, for its spans)
+TimedOutput = tuple[ModelRunnerOutput, int, int, int]
 
 
 class _Runner(Protocol):
@@ -39,9 +41,9 @@ class RunnerThread:
         return self._pool.submit(self._run, so)
 
     def _run(self, so: SchedulerOutput) -> TimedOutput:
-        t0 = perf_counter()
+        t0 = now_ns()
         out = self._execute(so)
-        return out, t0, perf_counter()
+        return out, t0, now_ns(), get_ident()
 
     def close(self) -> None:
         """Stop taking steps; a step still queued is cancelled."""
