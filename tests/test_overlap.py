@@ -329,3 +329,44 @@ def test_an_id_that_may_be_in_flight_is_not_taken_again():
     tokens, reasons = drive(core, stepper)
     assert tokens[1] == [null_token(1, len(PROMPT) + i, VOCAB) for i in range(5)]
     assert_all_free(core)
+
+
+# --- the timeline -------------------------------------------------------------------------
+
+
+def test_an_overlap_trace_has_every_steps_phases_on_two_threads(tmp_path):
+    """Schedule and update on the core's stepping thread, execute (with the
+    runner's phases inside) on the runner thread; a step's phases in order, and
+    step N+1 planned before step N's update."""
+    import json
+
+    trace = tmp_path / "trace"
+    with LLM(
+        multiprocess=True, dtype="float32", async_scheduling=True, trace_dir=str(trace)
+    ) as llm:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        llm.generate([[1, 5, 7], [2, 9, 4, 4]], params, use_tqdm=False)
+    (core_file,) = trace.glob("core-*.json")
+    events = [e for e in json.loads(core_file.read_text())["traceEvents"] if e["ph"] == "X"]
+    by_step: dict[int, dict[str, dict]] = {}
+    for e in events:
+        if e["name"] in ("schedule", "execute", "update") and "step" in (e.get("args") or {}):
+            by_step.setdefault(e["args"]["step"], {})[e["name"]] = e
+    complete = [p for p in by_step.values() if len(p) == 3]
+    assert len(complete) >= 6  # one step per generated token at least
+    eps = 1e-3
+    for p in complete:
+        s, x, u = p["schedule"], p["execute"], p["update"]
+        assert s["tid"] == u["tid"] != x["tid"]
+        assert s["ts"] + s["dur"] <= x["ts"] + eps and x["ts"] + x["dur"] <= u["ts"] + eps
+        if x["args"]["tokens"]:  # (a plan may be empty: its requests' last tokens in flight)
+            forward = [e for e in events if e["name"] == "forward" and e["tid"] == x["tid"]]
+            assert any(x["ts"] - eps <= f["ts"] <= x["ts"] + x["dur"] + eps for f in forward)
+    overlapped = [
+        n
+        for n in by_step
+        if n + 1 in by_step
+        and "update" in by_step[n]
+        and by_step[n + 1]["schedule"]["ts"] < by_step[n]["update"]["ts"]
+    ]
+    assert overlapped  # the next step was planned while this one ran

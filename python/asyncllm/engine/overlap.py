@@ -36,8 +36,10 @@ class OverlapStepper:
             raise ValueError("OverlapStepper needs an engine core with async_scheduling")
         self.core = core
         self._runner = RunnerThread(core.runner)
-        # (plan, its result, schedule start and end (ns)) of the step in flight
-        self._inflight: tuple[SchedulerOutput, Future[TimedOutput], int, int] | None = None
+        # (plan, its result, schedule start and end (ns), its number) of the step
+        # in flight; the number links a step's spans across the two threads
+        self._inflight: tuple[SchedulerOutput, Future[TimedOutput], int, int, int] | None = None
+        self._num_steps = 0
         # (forward start, forward end, update end) per step, on the trace clock,
         # while the core keeps step timings (the benchmarks)
         self.spans: deque[tuple[int, int, int]] = deque(maxlen=20000)
@@ -59,14 +61,18 @@ class OverlapStepper:
         rec = core.recorder
         launched = None
         if core.scheduler.has_unfinished_requests():
+            self._num_steps += 1
             t0 = rec.begin("schedule") if rec is not None else 0
             so = core.schedule()
-            t1 = rec.end("schedule", t0) if rec is not None else 0
-            launched = (so, self._runner.submit(so), t0, t1)
+            t1 = 0
+            if rec is not None:
+                args = {"step": self._num_steps, "batch": len(so.num_scheduled_tokens)}
+                t1 = rec.end("schedule", t0, args)
+            launched = (so, self._runner.submit(so), t0, t1, self._num_steps)
         previous, self._inflight = self._inflight, launched
         if previous is None:
             return None
-        so, future, t0, t1 = previous
+        so, future, t0, t1, step_no = previous
         try:
             runner_out, e0, e1, runner_tid = future.result()
         except BaseException as exc:
@@ -75,9 +81,13 @@ class OverlapStepper:
             return core.update(so, runner_out)
         t2 = rec.begin("update")
         out = core.update(so, runner_out)
-        t3 = rec.end("update", t2, {"outputs": len(out.req_ids)})
+        t3 = rec.end("update", t2, {"step": step_no, "outputs": len(out.req_ids)})
         if rec.tracer is not None:  # the forward, on the runner thread's track
-            args = {"batch": len(so.num_scheduled_tokens), "tokens": so.total_num_scheduled_tokens}
+            args = {
+                "step": step_no,
+                "batch": len(so.num_scheduled_tokens),
+                "tokens": so.total_num_scheduled_tokens,
+            }
             rec.tracer.events.append(("execute", e0, e1 - e0, runner_tid, args))
         timings = core.step_timings
         if timings is not None:
