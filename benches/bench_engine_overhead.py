@@ -14,6 +14,10 @@ Subcommands, one per measurement (`all` runs them in turn):
            the fraction of the core's wall time (first step start -> last step
            end) spent inside the delay, and the consumers' inter-token latency
            p50/p99 against the step time.
+  overlap  serial against overlap scheduling (`async_scheduling`), same run: the
+           busy fraction with a 5 ms null step and the tokens/s with a 1 ms one,
+           N streams, medians of --runs runs per mode (`--overlap-rows busy`
+           runs only the first).
   stop     64 streams on a real model (default: the shipped asyncllm-tiny, code
            prompts) with three never-matching stop strings vs none: throughput
            ratio, interleaved repeats in one engine.
@@ -152,11 +156,14 @@ async def _stream_run(
     return {"wall": wall, "tokens": sum(counts), "gaps": gaps, "per_token": per_token}
 
 
-def _null_args(model: Path, delay_ms: float = 0.0, n: int = 256) -> EngineArgs:
+def _null_args(
+    model: Path, delay_ms: float = 0.0, n: int = 256, overlap: bool = False
+) -> EngineArgs:
     return EngineArgs(
         model=str(model),
         executor="null",
         null_step_delay_ms=delay_ms,
+        async_scheduling=overlap,
         max_num_seqs=n,
         max_num_batched_tokens=max(4096, n * PROMPT_LEN),
         max_model_len=2048,
@@ -174,9 +181,16 @@ def _pin_apart(engine: AsyncLLM) -> None:
 
 
 async def _mp_null_run(
-    model: Path, n: int, tokens: int, delay_ms: float, runs: int, pin: bool = False
+    model: Path,
+    n: int,
+    tokens: int,
+    delay_ms: float,
+    runs: int,
+    pin: bool = False,
+    overlap: bool = False,
 ) -> list[dict[str, Any]]:
-    engine = AsyncLLM.from_engine_args(_null_args(model, delay_ms, n), multiprocess=True)
+    args = _null_args(model, delay_ms, n, overlap)
+    engine = AsyncLLM.from_engine_args(args, multiprocess=True)
     if pin:
         _pin_apart(engine)
     results = []
@@ -190,9 +204,15 @@ async def _mp_null_run(
             nsteps = sum(1 for k in t["num_outputs"] if k > 0)
             summary["pipeline_steps_per_s"] = nsteps / res["wall"]
             summary["tokens_per_s"] = res["tokens"] / res["wall"]
-            # the core's wall time: first step start -> last step end
+            # the core's wall time: first step start -> last step end (with overlap,
+            # steps overlap: "execute" is the forward on the runner thread, and the
+            # core reports each step's end)
             last = len(t["start"]) - 1
-            end = t["start"][last] + t["schedule"][last] + t["execute"][last] + t["update"][last]
+            end = (
+                t["end"][-1]
+                if t.get("end")
+                else t["start"][last] + t["schedule"][last] + t["execute"][last] + t["update"][last]
+            )
             core_wall = end - t["start"][0]
             summary["busy_fraction"] = sum(t["execute"]) / core_wall
             # stricter: only the requested sleep itself counts as busy
@@ -259,6 +279,34 @@ def cmd_gil(a: argparse.Namespace, model: Path) -> dict[str, Any]:
 def cmd_busy(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     runs = asyncio.run(_mp_null_run(model, a.streams, a.busy_tokens, 5.0, a.runs))
     return {"runs": runs, "median": _median_dicts(runs)}
+
+
+def cmd_overlap(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """Serial and overlap scheduling in one run, one engine per mode and row."""
+    rows = {"busy": (5.0, "busy_fraction"), "tokens": (1.0, "tokens_per_s")}
+    out: dict[str, Any] = {}
+    for row in a.overlap_rows.split(","):
+        delay, key = rows[row]
+        medians = {}
+        for mode in ("serial", "overlap"):
+            runs = asyncio.run(
+                _mp_null_run(
+                    model, a.streams, a.busy_tokens, delay, a.runs, overlap=mode == "overlap"
+                )
+            )
+            medians[mode] = _median_dicts(runs)
+            out[f"{row}_{mode}_{key}_runs"] = [r[key] for r in runs]
+        for mode in ("serial", "overlap"):
+            m = medians[mode]
+            out[f"{row}_{mode}"] = {
+                k: m[k]
+                for k in (key, "delay_fraction", "gap_us", "period_us", "execute_us", "steps")
+            }
+        if key == "tokens_per_s":
+            out["tokens_per_s_overlap_over_serial"] = (
+                medians["overlap"][key] / medians["serial"][key]
+            )
+    return out
 
 
 def cmd_stop(a: argparse.Namespace, model: Path) -> dict[str, Any]:
@@ -353,6 +401,7 @@ COMMANDS = {
     "gap": cmd_gap,
     "gil": cmd_gil,
     "busy": cmd_busy,
+    "overlap": cmd_overlap,
     "stop": cmd_stop,
     "startup": cmd_startup,
 }
@@ -376,6 +425,11 @@ def main() -> None:
         "--pin",
         action="store_true",
         help="gil: the core's busy loop alone on CPU 0, its IO threads and the front end on CPU 1",
+    )
+    ap.add_argument(
+        "--overlap-rows",
+        default="busy,tokens",
+        help="overlap: busy (5 ms step: busy fraction), tokens (1 ms step: tokens/s), or both",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(

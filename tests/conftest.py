@@ -18,3 +18,14 @@ def tokenizer_dir(name: str) -> Path:
     if not (path / "tokenizer.json").is_file():
         pytest.skip(f"tokenizer assets not found at {path} (set ASYNCLLM_ASSETS)")
     return path
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlap"])
+def scheduling_mode(request):
+    """Runs the tests that use it with and without overlap scheduling: engines
+    built meanwhile (in this process or a core process) take their default
+    `async_scheduling` from ASYNCLLM_ASYNC_SCHEDULING. Module-scoped, so module
+    engine fixtures that request it are built once per mode."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASYNCLLM_ASYNC_SCHEDULING", "1" if request.param else "0")
+        yield request.param

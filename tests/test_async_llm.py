@@ -59,6 +59,7 @@ def assert_core_idle(stats):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_256_streams_match_an_in_process_run(model_dir):
     prompts = [[1] + [(7 * i + j) % 900 + 10 for j in range(3 + i % 13)] for i in range(256)]
     params = [
@@ -103,6 +104,7 @@ def test_256_streams_match_an_in_process_run(model_dir):
     assert_core_idle(stats)
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_abort_cancel_close_and_n_children_free_everything(model_dir):
     long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
@@ -146,6 +148,7 @@ def test_abort_cancel_close_and_n_children_free_everything(model_dir):
     assert_core_idle(run(main()))
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_stop_string_ends_the_stream_and_the_core_request(model_dir):
     async def main():
         engine = engine_for(model_dir)

@@ -10,6 +10,9 @@ import torch
 from asyncllm import LLM, InvalidRequestError, SamplingParams
 from tiny_models import make_tiny_model
 
+# every test runs with and without overlap scheduling (conftest.scheduling_mode)
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
 PROMPT_LENS = (5, 9, 17, 30)
 MAX_TOKENS = 12
 

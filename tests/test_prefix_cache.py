@@ -177,7 +177,7 @@ def test_cache_salt_is_validated(salt, message):
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(scheduling_mode):
     with LLM(multiprocess=False, dtype="float32", block_size=16) as llm:
         yield llm
 
@@ -187,6 +187,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 104_729) % 8000 + 100 for i in range(n)]
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_a_cache_hit_still_delivers_prompt_logprobs_zero(llm):
     prompt = prompt_of(40, seed=1)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
@@ -203,6 +204,7 @@ def test_a_cache_hit_still_delivers_prompt_logprobs_zero(llm):
         assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-5)
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_num_cached_tokens_reaches_the_request_output(llm):
     prompt = prompt_of(40, seed=2)  # two full blocks of 16 can be shared
     greedy = dict(max_tokens=3, temperature=0.0)
@@ -221,6 +223,7 @@ def test_num_cached_tokens_reaches_the_request_output(llm):
     assert not llm.engine.core._awaiting_first_output  # nothing left behind
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_num_cached_tokens_crosses_the_process_boundary():
     with LLM(dtype="float32", block_size=16) as llm:
         prompt = prompt_of(40, seed=3)

@@ -310,6 +310,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.usefixtures("scheduling_mode")
 def test_seeded_requests_through_the_engine(llama_dir):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=77, max_tokens=24, ignore_eos=True)
     other = SamplingParams(temperature=0.9, top_k=50, max_tokens=30, ignore_eos=True)

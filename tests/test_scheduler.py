@@ -4,19 +4,39 @@ from __future__ import annotations
 
 import pytest
 
+from asyncllm.core.async_scheduler import AsyncScheduler
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.sampling_params import SamplingParams
 
 BLOCK = 4
+# Every test runs with both schedulers, stepped one step at a time (the overlap
+# scheduler then behaves as the serial one; tests/test_overlap.py runs it ahead).
+SCHEDULERS = {"serial": Scheduler, "overlap": AsyncScheduler}
+_scheduler_cls: list[type[Scheduler]] = [Scheduler]
+
+
+@pytest.fixture(autouse=True, params=list(SCHEDULERS))
+def scheduler_kind(request):
+    _scheduler_cls[0] = SCHEDULERS[request.param]
+    yield request.param
+    _scheduler_cls[0] = Scheduler
 
 
 def make_scheduler(num_blocks=64, max_seqs=8, budget=64, max_len=256, caching=True):
     kv = KVCacheManager(num_blocks, BLOCK, caching)
-    return Scheduler(
+    return _scheduler_cls[0](
         kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len
     )
+
+
+def samples(sched, rid, num_scheduled):
+    """Whether the step just scheduled samples a token for `rid`."""
+    request = sched.requests[rid]
+    if isinstance(sched, AsyncScheduler):  # progress is counted when scheduled
+        return request.num_output_placeholders > 0
+    return request.num_computed_tokens + num_scheduled == request.num_tokens
 
 
 def make_request(rid, prompt, max_tokens=4, caching=True, **params):
@@ -33,11 +53,7 @@ def make_request(rid, prompt, max_tokens=4, caching=True, **params):
 
 def run_step(sched, token=7):
     so = sched.schedule()
-    sampled = {
-        rid: token
-        for rid, n in so.num_scheduled_tokens.items()
-        if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens
-    }
+    sampled = {rid: token for rid, n in so.num_scheduled_tokens.items() if samples(sched, rid, n)}
     return so, sched.update_from_output(so, sampled)[0]
 
 

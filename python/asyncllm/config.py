@@ -7,7 +7,7 @@ engine starts, by `EngineArgs.resolve`, into a frozen `EngineConfig`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,10 @@ class EngineArgs:
     # around the model (see asyncllm.worker.null_runner).
     executor: str = "torch"
     null_step_delay_ms: float = 0.0
+    # Overlap scheduling: schedule step N+1 and hand off step N-1 while step N's
+    # forward pass runs on a runner thread (see asyncllm.engine.overlap). Default:
+    # ASYNCLLM_ASYNC_SCHEDULING, else off.
+    async_scheduling: bool = field(default_factory=envs.async_scheduling)
     # Observability (asyncllm.tracing): a Chrome trace of every step from both
     # processes (default: $ASYNCLLM_TRACE_DIR, else off); the directory torch
     # profiles go to, which enables the core's start_profile/stop_profile; and the
@@ -117,6 +121,8 @@ class EngineArgs:
             and 0 <= self.null_step_delay_ms <= 60_000
         ):
             raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
+        if not isinstance(self.async_scheduling, bool):
+            raise _fail("async_scheduling", self.async_scheduling, "a bool")
         if self.trace_dir is None:
             self.trace_dir = envs.trace_dir()
         for name in ("trace_dir", "profile_dir"):
@@ -202,6 +208,7 @@ class EngineArgs:
             cuda_kv_fraction=_DEFAULT_CUDA_KV_FRACTION,
             executor=self.executor,
             null_step_delay_ms=float(self.null_step_delay_ms),
+            async_scheduling=self.async_scheduling,
             trace_dir=self.trace_dir,
             profile_dir=self.profile_dir,
             collect_step_timings=self.collect_step_timings,
@@ -227,6 +234,7 @@ class EngineConfig:
     cuda_kv_fraction: float
     executor: str
     null_step_delay_ms: float
+    async_scheduling: bool = False
     trace_dir: str | None = None
     profile_dir: str | None = None
     collect_step_timings: bool = False

@@ -28,6 +28,13 @@ def multiprocess() -> bool:
     return _bool("ASYNCLLM_MULTIPROCESS", True)
 
 
+def async_scheduling() -> bool:
+    """ASYNCLLM_ASYNC_SCHEDULING (default 0): the default of
+    `EngineArgs.async_scheduling` (overlap scheduling), so that a deployment or a
+    whole test suite can run in either mode without code changes."""
+    return _bool("ASYNCLLM_ASYNC_SCHEDULING", False)
+
+
 def log_level() -> str:
     """ASYNCLLM_LOG_LEVEL (default WARNING): the engine-core process's log level."""
     value = os.environ.get("ASYNCLLM_LOG_LEVEL", "WARNING").upper()

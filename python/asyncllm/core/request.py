@@ -45,7 +45,8 @@ class Request:
     """One sequence in the engine core.
 
     `all_token_ids` is the prompt followed by the generated tokens;
-    `num_computed_tokens` counts the leading tokens whose K/V sit in the cache.
+    `num_computed_tokens` counts the leading tokens whose K/V sit in the cache (with
+    overlap scheduling: or are being computed by a step already scheduled).
     `block_hashes` holds the prefix-cache key of every full block of
     `all_token_ids`; the prompt's are computed here, at construction (in one native
     call, off the busy loop and without the GIL for long prompts), so the busy loop
@@ -70,6 +71,7 @@ class Request:
         "num_preemptions",
         "num_cached_prompt_tokens",
         "max_num_tokens",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -108,6 +110,9 @@ class Request:
         self.block_hashes: list[BlockHash] | None = [] if hash_blocks else None
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
+        # Overlap scheduling: tokens scheduled to be sampled whose ids are not known
+        # yet (counted as computed-but-unknown, as vLLM's placeholders); 0 otherwise.
+        self.num_output_placeholders = 0
         self.hash_full_blocks()
 
     @property

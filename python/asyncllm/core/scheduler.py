@@ -5,7 +5,9 @@ chunk of a prompt that did not fit before); waiting requests then get prompt
 tokens with what is left of `max_num_batched_tokens` and `max_num_seqs`. When the
 KV pool runs dry the most recently admitted running request is preempted: its
 blocks are freed and it is recomputed later (its own blocks often come back from
-the prefix cache).
+the prefix cache). With overlap scheduling, `AsyncScheduler` (core.async_scheduler)
+plans a step while the previous one runs, counting each in-flight token as a
+placeholder (`Request.num_output_placeholders`, always 0 here).
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ class Scheduler:
 
     # -- admission and removal ------------------------------------------------
 
+    def id_in_use(self, request_id: int) -> bool:
+        """Whether a new request may not take this id now (it is unfinished)."""
+        return request_id in self.requests
+
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if self.id_in_use(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -97,16 +103,21 @@ class Scheduler:
             # their blocks exactly need a block (a block table holds exactly
             # ceil(num_computed_tokens / block_size) blocks after every step).
             bs = kv.block_size
-            need = [r for r in running if not r.num_computed_tokens % bs]
+            live = self._decodes(running)
+            need = [r for r in live if not r.num_computed_tokens % bs]
             added_ids = kv.allocate_decode_blocks(need) if need else {}
             if added_ids is not None:
                 new_block_ids = added_ids
-                num_scheduled = dict.fromkeys([r.request_id for r in running], 1)
-                budget -= len(running)
+                num_scheduled = dict.fromkeys([r.request_id for r in live], 1)
+                budget -= len(live)
                 i = len(running)
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            known = request.num_tokens + request.num_output_placeholders
+            if known >= request.max_num_tokens:
+                i += 1  # overlap: its last token is in flight, nothing left to compute
+                continue
+            num_new = min(known - request.num_computed_tokens, budget)
             while True:
                 added = kv.allocate(request, num_new)
                 if added is not None:
@@ -232,6 +243,11 @@ class Scheduler:
         )
 
     # -- internals ------------------------------------------------------------
+
+    def _decodes(self, running: list[Request]) -> list[Request]:
+        """The running requests the all-decode fast path schedules: all of them
+        (the overlap scheduler leaves out those whose last token is in flight)."""
+        return running
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -12,10 +12,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.core.async_scheduler import AsyncScheduler
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
-from asyncllm.core.scheduler_output import NewRequestData
+from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.token_checks import check_token_ids
@@ -25,6 +26,7 @@ from asyncllm.worker.null_runner import NullModelRunner
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner
+    from asyncllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ class EngineCore:
         # Requests admitted but without an output yet: their prefix-cache hits go
         # out with their first output (see `_first_output_hits`).
         self._awaiting_first_output: dict[int, Request] = {}
-        self.scheduler = Scheduler(
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -104,7 +107,7 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest | Request) -> None:
         request = req if isinstance(req, Request) else self.make_request(req)
-        if request.request_id in self.scheduler.requests:
+        if self.scheduler.id_in_use(request.request_id):
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(request)
 
@@ -137,18 +140,33 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Schedule, run the model, and turn the sampled tokens into outputs: one
         entry per request that produced a token."""
-        scheduler = self.scheduler
         rec = self.recorder
         if rec is not None:
             t0 = rec.start_step()
-        so = scheduler.schedule()
-        if so.new_reqs:
-            self._note_admitted(so.new_reqs)
+        so = self.schedule()
         if rec is not None:
             t1 = rec.phase("schedule", t0, "execute")
         runner_out = self.runner.execute_model(so)
         if rec is not None:
             t2 = rec.phase("execute", t1, "update")
+        out = self.update(so, runner_out)
+        if rec is not None:
+            n = so.total_num_scheduled_tokens
+            rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(out.req_ids))
+        return out
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's plan (the first half of `step`; the overlap loop calls
+        it while the previous step still runs)."""
+        so = self.scheduler.schedule()
+        if so.new_reqs:
+            self._note_admitted(so.new_reqs)
+        return so
+
+    def update(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutputs:
+        """Apply a step's sampled tokens and build its outputs (the second half of
+        `step`)."""
+        scheduler = self.scheduler
         stepped, any_finished = scheduler.update_from_output(so, runner_out.sampled)
         req_ids = [r.request_id for r in stepped]
         out = StepOutputs(
@@ -168,9 +186,6 @@ class EngineCore:
             hits = self._first_output_hits()
             if hits:
                 out.num_cached_tokens = [hits.get(rid) for rid in req_ids]
-        if rec is not None:
-            n = so.total_num_scheduled_tokens
-            rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(req_ids))
         return out
 
     def _note_admitted(self, new_reqs: list[NewRequestData]) -> None:

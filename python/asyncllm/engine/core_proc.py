@@ -3,7 +3,9 @@
     input thread   recv frame -> decode (Rust, GIL released) -> validate and hash
                    the prompt's blocks -> input queue
     busy loop      drain inputs (block only when idle) -> schedule -> execute ->
-                   update -> hand the step's outputs to the output queue
+                   update -> hand the step's outputs to the output queue (with
+                   async_scheduling: the model runs on a runner thread while the
+                   loop plans the next step, see asyncllm.engine.overlap)
     output thread  encode (Rust, GIL released) -> send
 
 Run as `python -m asyncllm.engine.core_proc` by the front end's launcher (a fresh
@@ -42,6 +44,7 @@ from asyncllm.config import EngineArgs
 from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
 from asyncllm.engine.core import EngineCore, build_engine_core
+from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError
 from asyncllm.messages import StepOutputs
@@ -88,6 +91,7 @@ class EngineCoreProc:
         self.failure: BaseException | None = None
         self._failure_lock = threading.Lock()
         self.core: EngineCore | None = None
+        self.stepper: OverlapStepper | None = None  # with async_scheduling
         # The output thread comes first, so a start-up failure can still be reported.
         self._output_thread = threading.Thread(
             target=self._output_loop, args=(output_addr,), name="core-output", daemon=True
@@ -132,6 +136,9 @@ class EngineCoreProc:
     def _busy_loop(self) -> None:
         core = self.core
         assert core is not None
+        if core.config.async_scheduling:
+            self._overlap_loop(core)
+            return
         put_nowait = self.output_queue.put_nowait
         handoff = self.handoff_times.append
         backpressure = self.backpressure_waits.append
@@ -164,6 +171,49 @@ class EngineCoreProc:
                     if tracer is not None:
                         tracer.complete("handoff", t0, t1_ns, {"outputs": len(outputs.req_ids)})
 
+    def _overlap_loop(self, core: EngineCore) -> None:
+        """The busy loop with overlap scheduling (asyncllm.engine.overlap): the
+        model runs on the runner thread; a failure there ends the loop with a
+        RunnerFailedError, reported like any failure of the loop."""
+        stepper = self.stepper = OverlapStepper(core)
+        has_unfinished = core.scheduler.has_unfinished_requests
+        pending_inputs = self.input_queue.queue
+        try:
+            while not self._shutdown:
+                if pending_inputs or not (stepper.busy or has_unfinished()):
+                    self._process_inputs(block=not (stepper.busy or has_unfinished()))
+                    if self._shutdown or not (stepper.busy or has_unfinished()):
+                        continue
+                outputs = stepper.step()
+                if outputs is not None and outputs.req_ids:
+                    self._hand_off(outputs)
+        finally:
+            stepper.close()
+
+    def _hand_off(self, outputs: StepOutputs) -> None:
+        """Queue a step's outputs for the output thread; any wait on a full queue
+        (back-pressure) is counted, and the hand-off timed as in `_busy_loop`."""
+        core = self.core
+        assert core is not None
+        tracer = core.tracer
+        timed = core.step_timings is not None or tracer is not None
+        if timed:
+            t0 = now_ns()
+        try:
+            self.output_queue.put_nowait(outputs)
+        except queue.Full:  # the front end lags: wait for it (back-pressure)
+            t1 = perf_counter()
+            self._put_output(outputs)
+            waited = perf_counter() - t1
+            self.backpressure_waits.append(waited)
+            if timed:
+                t0 += int(waited * 1e9)  # the hand-off's cost, without the wait
+        if timed:
+            t1_ns = now_ns()
+            self.handoff_times.append((t1_ns - t0) / 1e9)
+            if tracer is not None:
+                tracer.complete("handoff", t0, t1_ns, {"outputs": len(outputs.req_ids)})
+
     def _process_inputs(self, block: bool) -> None:
         q = self.input_queue
         if block:
@@ -182,7 +232,7 @@ class EngineCoreProc:
         if kind == "add":
             _, requests, rejected = item
             for request in requests:
-                if request.request_id in core.scheduler.requests:
+                if core.scheduler.id_in_use(request.request_id):
                     rejected.append((request.request_id, "duplicate wire id"))
                 else:
                     core.add_request(request)
@@ -240,13 +290,21 @@ class EngineCoreProc:
             timings = list(core.step_timings or ())
             handoff = list(self.handoff_times) if core.step_timings is not None else []
             backpressure = list(self.backpressure_waits)
+            spans = list(self.stepper.spans) if self.stepper is not None else []
             if args and args.get("clear"):
                 if core.step_timings is not None:
                     core.step_timings.clear()
                 self.handoff_times.clear()
                 self.backpressure_waits.clear()
+                if self.stepper is not None:
+                    self.stepper.spans.clear()
             return {
                 "collect_step_timings": core.step_timings is not None,
+                # overlap only: per step the forward on the runner thread and the
+                # update's end (the core's busy time and wall time)
+                "exec_start": [x[0] / 1e9 for x in spans],
+                "exec_end": [x[1] / 1e9 for x in spans],
+                "end": [x[2] / 1e9 for x in spans],
                 "start": [t[0] for t in timings],
                 "schedule": [t[1] for t in timings],
                 "execute": [t[2] for t in timings],

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from asyncllm import _core
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore, build_engine_core
+from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.engine.wire import to_wire
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.core_client import MPClient
@@ -33,6 +34,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(args.tokenizer or args.model)
         self.client: MPClient | None = None
         self.core: EngineCore | None = None
+        self._stepper: OverlapStepper | None = None
         # This process's half of the timeline (the core writes the other half).
         self.tracer = Tracer(args.trace_dir, "frontend") if args.trace_dir else None
         if multiprocess:
@@ -49,6 +51,8 @@ class LLMEngine:
             self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         else:
             self.core = build_engine_core(args)
+            if args.async_scheduling:
+                self._stepper = OverlapStepper(self.core)
             self.max_model_len = self.core.config.max_model_len
             self.vocab_size = self.core.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
@@ -97,8 +101,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run (or wait for) one engine step and return the outputs due."""
         if self.core is not None:
-            frame = self.core.step().encode()
-            batch = _core.decode_message(frame)[1]
+            step_out = self._stepper.step() if self._stepper else self.core.step()
+            if step_out is None:  # overlap: the first step was launched, none finished
+                return []
+            batch = _core.decode_message(step_out.encode())[1]
         else:
             batch = self._next_batch()
         outputs, stopped = self.output_processor.process_outputs(batch)
@@ -124,6 +130,8 @@ class LLMEngine:
             raise
 
     def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.close()
         if self.client is not None:
             self.client.shutdown()
         if self.tracer is not None:

@@ -32,6 +32,7 @@ ENGINE_HELP: dict[str, str] = {
     "seed": "seed of the engine's random state",
     "executor": f"model executor, one of {', '.join(EXECUTORS)} ('null' runs no model)",
     "null_step_delay_ms": "simulated step time of the null executor, in ms",
+    "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs",
     "trace_dir": "write a Chrome trace-event timeline of every step, from the engine core "
     "and the front end, into this directory (Perfetto opens it; default: "
     "$ASYNCLLM_TRACE_DIR, else off)",
@@ -57,7 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = ENGINE_HELP.get(f.name, f"EngineArgs.{f.name}")
-        default = f.default
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         type_name = str(f.type)
         if type_name.startswith("bool"):
             group.add_argument(
