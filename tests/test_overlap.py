@@ -370,3 +370,17 @@ def test_an_overlap_trace_has_every_steps_phases_on_two_threads(tmp_path):
         and by_step[n + 1]["schedule"]["ts"] < by_step[n]["update"]["ts"]
     ]
     assert overlapped  # the next step was planned while this one ran
+
+
+def test_a_profile_window_closes_itself_in_overlap_mode(tmp_path):
+    """A forgotten /stop_profile: the window counts overlapped steps too and stops
+    at its limit, writing its trace."""
+    core, stepper = null_core(True, profile_dir=str(tmp_path))
+    assert core.profiler is not None and stepper is not None
+    core.profiler.max_steps = 3
+    core.start_profile()
+    core.add_request(EngineCoreRequest(0, PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)))
+    drive(core, stepper)
+    stepper.close()
+    assert not core.profiler.active
+    assert list(tmp_path.glob("*.json")), "the profile's trace was not written"

@@ -37,6 +37,16 @@ STEP_PHASES = ["schedule", "execute", "update"]
 EXECUTE_PHASES = ["prepare_inputs", "forward", "sampling"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def serial_stepping():
+    """These tests read serial steps (a `step` span holding its phases); overlap
+    scheduling's timeline is checked in test_overlap.py. Pinned here so that the
+    module also runs under ASYNCLLM_ASYNC_SCHEDULING=1."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASYNCLLM_ASYNC_SCHEDULING", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", tokenizer="llama-2")

@@ -271,13 +271,7 @@ class StepRecorder:
         t3 = self.end("update", t2)
         if self.profiling:
             self._exit_range()  # the step's
-            prof = self.profiler
-            assert prof is not None
-            prof.num_steps += 1
-            if prof.num_steps >= prof.max_steps:
-                logger.warning("the profile reached %d steps: stopping it", prof.max_steps)
-                self.profiling = False
-                prof.stop()
+            self.count_profiled_step()
         if self.tracer is not None:
             args = {"batch": num_reqs, "tokens": num_tokens, "outputs": num_outputs}
             self.tracer.complete("step", t0, t3, args)
@@ -285,6 +279,18 @@ class StepRecorder:
             self.timings.append(
                 (t0 / 1e9, (t1 - t0) / 1e9, (t2 - t1) / 1e9, (t3 - t2) / 1e9, num_outputs)
             )
+
+    def count_profiled_step(self) -> None:
+        """One more step in the profile window; the window closes itself at its
+        limit (a forgotten /stop_profile does not grow without bound)."""
+        prof = self.profiler
+        if not self.profiling or prof is None:
+            return
+        prof.num_steps += 1
+        if prof.num_steps >= prof.max_steps:
+            logger.warning("the profile reached %d steps: stopping it", prof.max_steps)
+            self.profiling = False
+            prof.stop()
 
     def _enter_range(self, name: str) -> None:
         from torch.profiler import record_function

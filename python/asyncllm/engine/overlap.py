@@ -82,6 +82,7 @@ class OverlapStepper:
         t2 = rec.begin("update")
         out = core.update(so, runner_out)
         t3 = rec.end("update", t2, {"step": step_no, "outputs": len(out.req_ids)})
+        rec.count_profiled_step()
         if rec.tracer is not None:  # the forward, on the runner thread's track
             args = {
                 "step": step_no,
