@@ -97,12 +97,7 @@ class AsyncScheduler(Scheduler):
                     finished_waiting |= was_waiting
             append(request)
         if finished:
-            self.running = [r for r in self.running if not r.is_finished]
-            if finished_waiting:
-                self.waiting = type(self.waiting)(r for r in self.waiting if not r.is_finished)
-            for request in stepped:
-                if request.is_finished:
-                    self._free(request)
+            self._drop_finished(stepped, from_waiting=finished_waiting)
         return stepped, finished
 
     def _decodes(self, running: list[Request]) -> list[Request]:

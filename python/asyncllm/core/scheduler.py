@@ -223,13 +223,19 @@ class Scheduler:
                 finished = True
             append(request)
         if finished:
-            # one pass, not list.remove per request: many may finish in one step
-            self.running = [r for r in self.running if not r.is_finished]
-            for request in stepped:
-                if request.is_finished:
-                    self._free(request)
+            self._drop_finished(stepped)
         self._all_decode = self._all_running_scheduled and num_unsampled == 0
         return stepped, finished
+
+    def _drop_finished(self, stepped: list[Request], from_waiting: bool = False) -> None:
+        """Take the requests that just finished out of the queues (one pass, not a
+        list.remove each: many may finish in one step) and free their blocks."""
+        self.running = [r for r in self.running if not r.is_finished]
+        if from_waiting:  # preempted after the step was planned (overlap scheduling)
+            self.waiting = type(self.waiting)(r for r in self.waiting if not r.is_finished)
+        for request in stepped:
+            if request.is_finished:
+                self._free(request)
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache

@@ -11,6 +11,7 @@ in the batch. Logprobs are of the raw logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,23 +58,22 @@ class Penalties:
 def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Samples every row of `logits` [n, vocab] (any device) as `md` says."""
     raw = logits.float()
-    logits = masked_logits(raw, md)
-    if bool(logits.isnan().any()):
-        logits = logits.masked_fill(logits.isnan(), _NEG_INF)  # never sampled, as in the kernel
+    # NaN is never sampled, as in the kernel; masked unconditionally: asking
+    # whether any is there would wait for the device before the draw is queued
+    logits = masked_logits(raw, md).nan_to_num(nan=_NEG_INF, posinf=math.inf, neginf=_NEG_INF)
     sampled = logits.argmax(dim=-1)
-    nonfinite: list[int] = []
+    unsampled = None  # random rows without a finite maximum: they take the argmax
     if not md.all_greedy:
         random = draw(*random_distribution(logits, md), md)
         argmax_rows = torch.from_numpy(md.params_i[:, I_GREEDY] != 0).to(logits.device)
-        finite = logits.amax(dim=-1).isfinite()
-        if not bool(finite.all()):
-            # no finite maximum: the argmax (first +inf, or first entry), as the kernel
-            nonfinite = (~finite & ~argmax_rows).nonzero().flatten().tolist()
-            argmax_rows = argmax_rows | ~finite
-        sampled = torch.where(argmax_rows, sampled, random)
-    out = SamplerOutput(sampled=sampled, nonfinite=nonfinite)
+        no_max = ~logits.amax(dim=-1).isfinite()
+        unsampled = no_max & ~argmax_rows
+        sampled = torch.where(argmax_rows | no_max, sampled, random)
+    out = SamplerOutput(sampled=sampled)
     if md.max_num_logprobs is not None:
         gather_logprobs(out, raw, sampled, md.max_num_logprobs)
+    if unsampled is not None:  # the one wait, after everything is queued
+        out.nonfinite = unsampled.nonzero().flatten().tolist()
     return out
 
 
