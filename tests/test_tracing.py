@@ -57,21 +57,21 @@ def completion(url: str, prompt: str, **extra: Any) -> tuple[int, dict]:
     return post(url + "/v1/completions", {**body, **extra}, AUTH)
 
 
+def tiny_server(log: Path, model_dir: Path, *extra: str) -> Server:
+    """`asyncllm serve` of the tiny model, behind the test's API key."""
+    args = ("--dtype", "float32", "--served-model-name", "tiny", "--api-key", API_KEY)
+    return Server(log, str(model_dir), *args, *extra)
+
+
 @pytest.fixture(scope="module")
 def traced_run(model_dir, tmp_path_factory):
     """A server with --trace-dir and --profile-dir: concurrent completions, a
     profile window around some of them, then SIGTERM (the files are final)."""
     tmp = tmp_path_factory.mktemp("traced")
     trace_dir, profile_dir = tmp / "trace", tmp / "profile"
-    srv = Server(
+    srv = tiny_server(
         tmp / "server.log",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--served-model-name",
-        "tiny",
-        "--api-key",
-        API_KEY,
+        model_dir,
         "--trace-dir",
         str(trace_dir),
         "--profile-dir",
@@ -206,16 +206,7 @@ def test_profile_endpoints_write_a_torch_trace(traced_run):
 
 
 def test_without_profile_dir_the_endpoints_are_not_there(model_dir, tmp_path):
-    srv = Server(
-        tmp_path / "server.log",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--served-model-name",
-        "tiny",
-        "--api-key",
-        API_KEY,
-    )
+    srv = tiny_server(tmp_path / "server.log", model_dir)
     try:
         assert post(srv.url + "/start_profile", {}, AUTH)[0] == 404
         assert post(srv.url + "/stop_profile", {}, AUTH)[0] == 404

@@ -304,32 +304,12 @@ fn penalties_and_bans_match_the_reference() {
 fn ties_at_the_boundaries_are_kept_together() {
     // top-k 2 with three tied at the 2nd place; top-p boundary inside a tie
     let row = [3.0, 1.0, 1.0, 1.0, 0.0, -1.0];
-    chi_square(
-        &row,
-        RowParams {
-            top_k: 2,
+    for (top_k, top_p) in [(2, 1.0), (0, 0.7), (3, 0.7)] {
+        let p = RowParams {
+            top_k,
+            top_p,
             ..params()
-        },
-        &NONE,
-        30_000,
-    );
-    chi_square(
-        &row,
-        RowParams {
-            top_p: 0.7,
-            ..params()
-        },
-        &NONE,
-        30_000,
-    );
-    chi_square(
-        &row,
-        RowParams {
-            top_p: 0.7,
-            top_k: 3,
-            ..params()
-        },
-        &NONE,
-        30_000,
-    );
+        };
+        chi_square(&row, p, &NONE, 30_000);
+    }
 }

@@ -436,133 +436,73 @@ fn time_pieces() {
     }
 }
 
+/// Prints the mean time of `f` over `reps` calls (each given its index).
+fn timed(name: &str, reps: usize, mut f: impl FnMut(usize)) {
+    let t = std::time::Instant::now();
+    for i in 0..reps {
+        f(i);
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6 / reps as f64;
+    eprintln!("{name:12} {us:8.1} us");
+}
+
 fn time_pieces_once() {
-    use std::time::Instant;
+    use std::hint::black_box;
     let mut g = Lcg(9);
     let row: Vec<f32> = g.logits(32_000, 12.0);
     let mut e = vec![0.0f32; row.len()];
     let mut sums = vec![0.0f32; row.len().div_ceil(select::CHUNK)];
     let reps = 200;
-    let t = Instant::now();
-    for _ in 0..reps {
-        std::hint::black_box(select::max(std::hint::black_box(&row)));
-    }
-    eprintln!(
-        "max          {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
-        std::hint::black_box(select::argmax(std::hint::black_box(&row)));
-    }
-    eprintln!(
-        "argmax       {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
-        select::exp_sums::<select::Fused>(std::hint::black_box(&row), 6.0, 1.0, &mut e, &mut sums);
-        std::hint::black_box(&e);
-    }
-    eprintln!(
-        "exp_sums     {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
-        std::hint::black_box(select::mass_above(std::hint::black_box(&e), 0.01));
-    }
-    eprintln!(
-        "mass_above   {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
-        select::exp_into::<select::Fused>(std::hint::black_box(&row), 6.0, 1.0, &mut e);
-        std::hint::black_box(&e);
-    }
-    eprintln!(
-        "exp_into_fma {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
-        select::exp_into::<select::Split>(std::hint::black_box(&row), 6.0, 1.0, &mut e);
-        std::hint::black_box(&e);
-    }
-    eprintln!(
-        "exp_into     {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
-        std::hint::black_box(select::chunk_sums(std::hint::black_box(&e), 0.0, &mut sums));
-    }
-    eprintln!(
-        "chunk_sums   {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
+    timed("max", reps, |_| {
+        black_box(select::max(black_box(&row)));
+    });
+    timed("argmax", reps, |_| {
+        black_box(select::argmax(black_box(&row)));
+    });
+    timed("exp_sums", reps, |_| {
+        select::exp_sums::<select::Fused>(black_box(&row), 6.0, 1.0, &mut e, &mut sums);
+        black_box(&e);
+    });
+    timed("mass_above", reps, |_| {
+        black_box(select::mass_above(black_box(&e), 0.01));
+    });
+    timed("exp_into_fma", reps, |_| {
+        select::exp_into::<select::Fused>(black_box(&row), 6.0, 1.0, &mut e);
+        black_box(&e);
+    });
+    timed("exp_into", reps, |_| {
+        select::exp_into::<select::Split>(black_box(&row), 6.0, 1.0, &mut e);
+        black_box(&e);
+    });
+    timed("chunk_sums", reps, |_| {
+        black_box(select::chunk_sums(black_box(&e), 0.0, &mut sums));
+    });
     let total: f64 = e.iter().map(|&x| f64::from(x)).sum();
     let mut work = Vec::new();
-    let t = Instant::now();
-    for _ in 0..reps {
-        std::hint::black_box(select::top_p_floor(&e, 0.95 * total, &mut work));
-    }
-    eprintln!(
-        "top_p_floor  {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    let t = Instant::now();
-    for _ in 0..reps {
+    timed("top_p_floor", reps, |_| {
+        black_box(select::top_p_floor(&e, 0.95 * total, &mut work));
+    });
+    timed("top_k 50", reps, |_| {
         let mut sel = TopK::new(50, Vec::new());
-        sel.push_all(std::hint::black_box(&row), &mut work, &mut Vec::new());
-        std::hint::black_box(sel.finish());
-    }
-    eprintln!(
-        "top_k 50     {:8.1} us",
-        t.elapsed().as_secs_f64() * 1e6 / reps as f64
-    );
-    for (name, p) in [
-        (
-            "row top_k",
-            RowParams {
-                top_k: 50,
-                top_p: 0.95,
+        sel.push_all(black_box(&row), &mut work, &mut Vec::new());
+        black_box(sel.finish());
+    });
+    let rows = [
+        ("row top_k", 50, 0.95, false),
+        ("row top_p", 0, 0.95, false),
+        ("row plain", 0, 1.0, false),
+        ("row greedy", 0, 1.0, true),
+    ];
+    for (name, top_k, top_p, greedy) in rows {
+        timed(name, reps, |i| {
+            let p = RowParams {
+                top_k,
+                top_p,
+                greedy,
+                position: i as u64,
                 ..params()
-            },
-        ),
-        (
-            "row top_p",
-            RowParams {
-                top_p: 0.95,
-                ..params()
-            },
-        ),
-        ("row plain", params()),
-        (
-            "row greedy",
-            RowParams {
-                greedy: true,
-                ..params()
-            },
-        ),
-    ] {
-        let t = Instant::now();
-        for i in 0..reps {
-            std::hint::black_box(run(
-                &row,
-                row.len(),
-                &[RowParams {
-                    position: i as u64,
-                    ..p
-                }],
-                &[],
-                1,
-            ));
-        }
-        eprintln!(
-            "{name:12} {:8.1} us",
-            t.elapsed().as_secs_f64() * 1e6 / reps as f64
-        );
+            };
+            black_box(run(&row, row.len(), &[p], &[], 1));
+        });
     }
 }
