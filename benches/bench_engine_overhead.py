@@ -17,7 +17,8 @@ Subcommands, one per measurement (`all` runs them in turn):
   overlap  serial against overlap scheduling (`async_scheduling`), same run: the
            busy fraction with a 5 ms null step and the tokens/s with a 1 ms one,
            N streams, medians of --runs runs per mode (`--overlap-rows busy`
-           runs only the first).
+           runs only the first; `--output-kind final_only` consumes like offline
+           `LLM.generate`, so the consumers' wake-ups do not set the rate).
   stop     64 streams on a real model (default: the shipped asyncllm-tiny, code
            prompts) with three never-matching stop strings vs none: throughput
            ratio, interleaved repeats in one engine.
@@ -124,13 +125,14 @@ async def _stream_run(
     stop: list[str] | None = None,
     tag: str = "",
     prompts: list[Any] | None = None,
+    kind: RequestOutputKind = RequestOutputKind.DELTA,
 ) -> dict[str, Any]:
-    """n concurrent DELTA streams; returns wall time, token count and per-arrival
-    inter-token gaps (seconds)."""
+    """n concurrent streams (DELTA unless `kind` says otherwise); returns wall time,
+    token count and per-arrival inter-token gaps (seconds)."""
     params = SamplingParams(
         max_tokens=max_tokens,
         ignore_eos=True,
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=kind,
         stop=stop,
         temperature=0.0,
     )
@@ -144,7 +146,10 @@ async def _stream_run(
         async for out in engine.generate(request, params, request_id=f"{tag}{i}"):
             now = time.perf_counter()
             k = len(out.outputs[0].token_ids)
-            counts[i] += k
+            if kind != RequestOutputKind.DELTA:  # cumulative: count the new ones
+                k, counts[i] = k - counts[i], k
+            else:
+                counts[i] += k
             if last is not None and k:
                 gaps.append(now - last)
                 per_token.append((now - last) / k)
@@ -188,6 +193,7 @@ async def _mp_null_run(
     runs: int,
     pin: bool = False,
     overlap: bool = False,
+    kind: RequestOutputKind = RequestOutputKind.DELTA,
 ) -> list[dict[str, Any]]:
     args = _null_args(model, delay_ms, n, overlap)
     engine = AsyncLLM.from_engine_args(args, multiprocess=True)
@@ -198,7 +204,7 @@ async def _mp_null_run(
         await _stream_run(engine, n, 32, tag="warm")  # warm-up
         for r in range(runs):
             await engine.call_utility("get_step_timings", {"clear": True})
-            res = await _stream_run(engine, n, tokens, tag=f"r{r}-")
+            res = await _stream_run(engine, n, tokens, tag=f"r{r}-", kind=kind)
             t = await engine.call_utility("get_step_timings")
             summary = _step_summary(t, n)
             nsteps = sum(1 for k in t["num_outputs"] if k > 0)
@@ -291,7 +297,13 @@ def cmd_overlap(a: argparse.Namespace, model: Path) -> dict[str, Any]:
         for mode in ("serial", "overlap"):
             runs = asyncio.run(
                 _mp_null_run(
-                    model, a.streams, a.busy_tokens, delay, a.runs, overlap=mode == "overlap"
+                    model,
+                    a.streams,
+                    a.busy_tokens,
+                    delay,
+                    a.runs,
+                    overlap=mode == "overlap",
+                    kind=RequestOutputKind[a.output_kind.upper()],
                 )
             )
             medians[mode] = _median_dicts(runs)
@@ -430,6 +442,13 @@ def main() -> None:
         "--overlap-rows",
         default="busy,tokens",
         help="overlap: busy (5 ms step: busy fraction), tokens (1 ms step: tokens/s), or both",
+    )
+    ap.add_argument(
+        "--output-kind",
+        default="delta",
+        choices=["delta", "final_only"],
+        help="overlap: streams that wake their consumer every step (delta), or only at"
+        " the end (final_only, as offline `LLM.generate` does)",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(

@@ -12,7 +12,8 @@ top_p 0.95, as real clients sample), alternating in one loop so load hits both
 alike; "sampled/greedy" is the median of the per-pair ratios (issue 11's target:
 >= 0.95). transformers runs the same prompts in left-padded batches sorted by
 length (batch 64), generating each batch's longest output; only requested tokens
-count.
+count. `--overlap` adds the engine with overlap scheduling to the loop; its
+"overlap/serial" is the median of the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def workload(name: str, num: int, seed: int = 0) -> tuple[list[list[int]], list[
     return prompts, outs
 
 
-def run_engine(model_dir: Path, prompts, outs, sampling: str) -> dict:
+def run_engine(
+    model_dir: Path, prompts, outs, sampling: str, async_scheduling: bool = False
+) -> dict:
     """The user's path: `LLM` with its engine core in its own process."""
     from asyncllm import LLM, SamplingParams
 
@@ -58,6 +61,7 @@ def run_engine(model_dir: Path, prompts, outs, sampling: str) -> dict:
         dtype="float32",
         max_num_seqs=256,
         max_num_batched_tokens=4096,
+        async_scheduling=async_scheduling,
         collect_step_timings=True,  # the core's step timers, read below
     ) as llm:
         kw = SAMPLING[sampling]
@@ -168,13 +172,20 @@ def run_transformers(model_dir: Path, prompts, outs, sampling: str, batch: int =
     return {"elapsed_s": elapsed, "tokens_per_s": sum(outs) / elapsed}
 
 
-def measure(model_dir: Path, prompts, outs, repeats: int, with_hf: bool) -> list[dict]:
-    """Greedy and sampled rows of one workload: the engine (and transformers)
-    alternating in one loop, so that load from elsewhere hits every system alike."""
-    runs: dict[str, dict[str, list[dict]]] = {k: {"eng": [], "hf": []} for k in SAMPLING}
+def measure(
+    model_dir: Path, prompts, outs, repeats: int, with_hf: bool, overlap: bool = False
+) -> list[dict]:
+    """Greedy and sampled rows of one workload: the engine (and transformers, and the
+    engine with overlap scheduling) alternating in one loop, so that load from
+    elsewhere hits every system alike."""
+    runs: dict[str, dict[str, list[dict]]] = {
+        k: {"eng": [], "hf": [], "overlap": []} for k in SAMPLING
+    }
     for _ in range(repeats):
         for sampling, r in runs.items():
             r["eng"].append(run_engine(model_dir, prompts, outs, sampling))
+            if overlap:
+                r["overlap"].append(run_engine(model_dir, prompts, outs, sampling, True))
             if with_hf:
                 r["hf"].append(run_transformers(model_dir, prompts, outs, sampling))
     rows = []
@@ -185,6 +196,12 @@ def measure(model_dir: Path, prompts, outs, repeats: int, with_hf: bool) -> list
             row["hf_tok_s"] = median(x["tokens_per_s"] for x in r["hf"])
             pairs = zip(r["eng"], r["hf"], strict=True)
             row["ratio"] = median(e["tokens_per_s"] / h["tokens_per_s"] for e, h in pairs)
+        if r["overlap"]:
+            row["overlap_tok_s"] = median(x["tokens_per_s"] for x in r["overlap"])
+            pairs = zip(r["overlap"], r["eng"], strict=True)
+            row["overlap_over_serial"] = median(
+                o["tokens_per_s"] / e["tokens_per_s"] for o, e in pairs
+            )
         steps = [x["decode_step_ms"] for x in r["eng"] if x["decode_step_ms"]]
         if steps:
             row["decode_step_ms"] = median(steps)
@@ -204,6 +221,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256, help="mixed: requests")
     ap.add_argument("--repeats", type=int, default=3, help="runs per system; medians reported")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also run the engine with overlap scheduling (async_scheduling), paired",
+    )
     ap.add_argument("--skip-floor", action="store_true", help="no paired engine/floor steps")
     ap.add_argument("--floor-repeats", type=int, default=15, help="paired engine/floor steps")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -224,7 +246,12 @@ def main() -> None:
                     if args.quick:
                         outs = [min(n, 8) for n in outs]
                     found = measure(
-                        model_dir, prompts, outs, args.repeats, not args.skip_transformers
+                        model_dir,
+                        prompts,
+                        outs,
+                        args.repeats,
+                        not args.skip_transformers,
+                        args.overlap,
                     )
                     for row in found:
                         row.update(model=model_name, workload=wl, streams=streams)
@@ -239,10 +266,11 @@ def main() -> None:
     print(f"torch threads: {threads}; medians of {args.repeats} runs")
     print(
         "| model | workload | streams | sampling | asyncllm tok/s | transformers tok/s | ratio "
-        "| sampled/greedy | decode step ms (all streams, core timers) "
+        "| sampled/greedy | overlap tok/s | overlap/serial "
+        "| decode step ms (all streams, core timers) "
         "| paired: engine step ms | floor ms | engine/floor |"
     )
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
 
         def f(key, fmt="{:.1f}", r=r):
@@ -251,7 +279,8 @@ def main() -> None:
         print(
             f"| {r['model']} | {r['workload']} | {r['streams']} | {r['sampling']} | "
             f"{f('engine_tok_s')} | {f('hf_tok_s')} | {f('ratio', '{:.2f}×')} | "
-            f"{f('sampled_over_greedy', '{:.3f}')} | {f('decode_step_ms', '{:.2f}')} | "
+            f"{f('sampled_over_greedy', '{:.3f}')} | {f('overlap_tok_s')} | "
+            f"{f('overlap_over_serial', '{:.3f}')} | {f('decode_step_ms', '{:.2f}')} | "
             f"{f('engine_step_ms', '{:.2f}')} | "
             f"{f('floor_step_ms', '{:.2f}')} | {f('step_over_floor', '{:.3f}')} |"
         )

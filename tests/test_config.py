@@ -101,3 +101,19 @@ def test_resolve_caps_context_at_model_and_sliding_window():
         EngineArgs(model="/m", device="cpu", max_model_len=8192).resolve(cfg)
     cfg.sliding_window = None
     assert EngineArgs(model="/m", device="cpu").resolve(cfg).max_model_len == 32768
+
+
+def test_async_scheduling_defaults_to_the_device(monkeypatch):
+    """Unset, overlap scheduling is on for CUDA and off on the CPU (and with the
+    null executor); the env var and the argument override it either way."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(max_position_embeddings=256)
+    monkeypatch.delenv("ASYNCLLM_ASYNC_SCHEDULING", raising=False)
+    assert EngineArgs(model="/m", device="cpu").resolve(cfg).async_scheduling is False
+    assert EngineArgs(model="/m", executor="null").resolve(cfg).async_scheduling is False
+    assert EngineArgs(model="/m", async_scheduling=True).resolve(cfg).async_scheduling is True
+    monkeypatch.setenv("ASYNCLLM_ASYNC_SCHEDULING", "1")
+    assert EngineArgs(model="/m", device="cpu").resolve(cfg).async_scheduling is True
+    with pytest.raises(ConfigError, match="async_scheduling='on' .* None \\(auto\\) or a bool"):
+        EngineArgs(model="/m", async_scheduling="on")

@@ -65,7 +65,9 @@ class EngineArgs:
     # Overlap scheduling: schedule step N+1 and hand off step N-1 while step N's
     # forward pass runs on a runner thread (see asyncllm.engine.overlap). Default:
     # ASYNCLLM_ASYNC_SCHEDULING, else off.
-    async_scheduling: bool = field(default_factory=envs.async_scheduling)
+    # None: on for CUDA, off on the CPU, where the runner thread's torch ops and the
+    # busy loop share the same cores and the measured gain is not there (README)
+    async_scheduling: bool | None = field(default_factory=envs.async_scheduling)
     # Observability (asyncllm.tracing): a Chrome trace of every step from both
     # processes (default: $ASYNCLLM_TRACE_DIR, else off); the directory torch
     # profiles go to, which enables the core's start_profile/stop_profile; and the
@@ -121,8 +123,8 @@ class EngineArgs:
             and 0 <= self.null_step_delay_ms <= 60_000
         ):
             raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
-        if not isinstance(self.async_scheduling, bool):
-            raise _fail("async_scheduling", self.async_scheduling, "a bool")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise _fail("async_scheduling", self.async_scheduling, "None (auto) or a bool")
         if self.trace_dir is None:
             self.trace_dir = envs.trace_dir()
         for name in ("trace_dir", "profile_dir"):
@@ -208,7 +210,9 @@ class EngineArgs:
             cuda_kv_fraction=_DEFAULT_CUDA_KV_FRACTION,
             executor=self.executor,
             null_step_delay_ms=float(self.null_step_delay_ms),
-            async_scheduling=self.async_scheduling,
+            async_scheduling=(
+                device == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
             trace_dir=self.trace_dir,
             profile_dir=self.profile_dir,
             collect_step_timings=self.collect_step_timings,

@@ -28,10 +28,12 @@ def multiprocess() -> bool:
     return _bool("ASYNCLLM_MULTIPROCESS", True)
 
 
-def async_scheduling() -> bool:
-    """ASYNCLLM_ASYNC_SCHEDULING (default 0): the default of
+def async_scheduling() -> bool | None:
+    """ASYNCLLM_ASYNC_SCHEDULING (unset: auto): the default of
     `EngineArgs.async_scheduling` (overlap scheduling), so that a deployment or a
     whole test suite can run in either mode without code changes."""
+    if not os.environ.get("ASYNCLLM_ASYNC_SCHEDULING"):
+        return None
     return _bool("ASYNCLLM_ASYNC_SCHEDULING", False)
 
 

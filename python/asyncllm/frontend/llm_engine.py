@@ -51,7 +51,7 @@ class LLMEngine:
             self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         else:
             self.core = build_engine_core(args)
-            if args.async_scheduling:
+            if self.core.config.async_scheduling:
                 self._stepper = OverlapStepper(self.core)
             self.max_model_len = self.core.config.max_model_len
             self.vocab_size = self.core.vocab_size
