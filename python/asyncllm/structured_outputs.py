@@ -1,0 +1,108 @@
+"""What a constrained request's output must match: one JSON schema, regex, choice
+list or grammar (vLLM's `StructuredOutputsParams`, same names).
+
+A leaf module: the server and `SamplingParams` build it, the engine compiles it.
+Only shape and size are checked here (every size a client controls is bounded);
+whether a schema, regex or grammar compiles is for the grammar compiler to say.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import ConfigError
+
+# Bounds on what one request may send (the compiler has its own limits on top).
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 4096
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _fail(name: str, value: object, allowed: str) -> ConfigError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ConfigError(f"StructuredOutputsParams.{name}={shown} is invalid: must be {allowed}")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of the fields is set. `json` is a JSON schema (a dict or its
+    JSON text); `json_object=True` asks for any JSON object; `grammar` is a Lark
+    grammar (llguidance's dialect)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ConfigError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, dict):
+                try:
+                    text = json.dumps(self.json)
+                except (TypeError, ValueError) as e:
+                    raise _fail("json", self.json, f"JSON-serialisable ({e})") from None
+            elif isinstance(self.json, str):
+                text = self.json
+                try:
+                    parsed = json.loads(text)
+                except ValueError as e:
+                    raise _fail("json", self.json, f"a JSON schema ({e})") from None
+                if not isinstance(parsed, dict | bool):
+                    raise _fail("json", self.json, "a JSON schema (an object)")
+            else:
+                raise _fail("json", self.json, "a JSON schema (dict or str)")
+            if len(text) > MAX_SPEC_CHARS:
+                raise _fail("json", f"<{len(text)} chars>", f"at most {MAX_SPEC_CHARS} chars")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise _fail(name, value, "a non-empty string")
+            if len(value) > MAX_SPEC_CHARS:
+                raise _fail(name, f"<{len(value)} chars>", f"at most {MAX_SPEC_CHARS} chars")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice:
+                raise _fail("choice", self.choice, "a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise _fail("choice", f"<{len(self.choice)} items>", f"at most {MAX_CHOICES}")
+            for c in self.choice:
+                if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
+                    raise _fail(
+                        "choice", c, f"a list of non-empty strings of <= {MAX_CHOICE_CHARS} chars"
+                    )
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise _fail("json_object", self.json_object, "a bool")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of KINDS."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> str:
+        """The constraint as text for the compiler: the schema as JSON text, the
+        regex or grammar as given, the choices as a JSON list, "" for json_object."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if kind == "choice":
+            return json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        value = getattr(self, kind)
+        assert isinstance(value, str)
+        return value
