@@ -74,7 +74,7 @@ def make_md(
 
 def kernel(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     out = sample_cpu(logits, md)
-    assert not out.nonfinite
+    assert out.nonfinite_rows() == []
     return out.sampled
 
 
@@ -252,7 +252,7 @@ def test_nonfinite_rows_do_not_fail_the_step(path):
     logits[3, :] = float("-inf")
     md = make_md(5, top_p=0.9, num_logprobs=2)
     out = path(logits, md)
-    assert out.nonfinite == [1, 2, 3]
+    assert out.nonfinite_rows() == [1, 2, 3]
     assert out.sampled[1:4].tolist() == [0, 4, 0]
     assert out.sampled[0] != 7
     assert out.logprob_values is not None

@@ -146,7 +146,7 @@ class EngineCore:
         so = self.schedule()
         if rec is not None:
             t1 = rec.phase("schedule", t0, "execute")
-        runner_out = self.runner.execute_model(so)
+        runner_out = self.runner.execute_model(so).resolved()
         if rec is not None:
             t2 = rec.phase("execute", t1, "update")
         out = self.update(so, runner_out)

@@ -75,6 +75,7 @@ class OverlapStepper:
         so, future, t0, t1, step_no = previous
         try:
             runner_out, e0, e1, runner_tid = future.result()
+            runner_out = runner_out.resolved()
         except BaseException as exc:
             raise RunnerFailedError(f"the model runner thread failed: {exc!r}") from exc
         if rec is None:

@@ -21,6 +21,7 @@ from asyncllm.messages import Logprobs
 from asyncllm.models.attention import build_attention_metadata
 from asyncllm.models.loader import load_model
 from asyncllm.tracing import StepRecorder
+from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
@@ -46,6 +47,10 @@ class ModelRunner:
         # Draws are keyed by (seed, output position), so a resumed request goes on
         # where it was without keeping any generator state.
         self.sampler = Sampler(config.seed)
+        # sampled tokens on their way to the host; with overlap scheduling the
+        # next step takes them from the device and the busy loop waits for them
+        self._in_flight = InFlightTokens(config.max_num_seqs, self.device)
+        self._defer_tokens = config.async_scheduling
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
         self.recorder: StepRecorder | None = None
@@ -88,12 +93,16 @@ class ModelRunner:
             q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device
         )
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(self.device)
+        self._in_flight.feed(input_ids_t, tok_rows, pos)
         pos_t = torch.from_numpy(pos).to(self.device)
         if rec is not None:
             t = rec.phase("prepare_inputs", t, "forward")
         hidden = self.model(input_ids_t, pos_t, self.kv_caches, meta)
         if rec is not None:  # on CUDA: the launches; the wait shows in sampling
             rec.end("forward", t, {"batch": n, "tokens": total})
+        # the last step's tokens, for what reads them on the host below (penalties,
+        # prompt logprobs); on a device this waits while this step's forward runs
+        self._in_flight.settle(ib)
 
         done = seq_lens == ib.num_tokens[rows]  # all known tokens computed: sample
         ib.num_computed[rows] = seq_lens
@@ -112,17 +121,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx])
         md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
         result = self.sampler(logits, md)
-        sampled_np = result.sampled.cpu().numpy()
-        # the runner appends sampled tokens itself: next step's inputs come from here
+        # the runner appends sampled tokens itself: the next step's inputs come
+        # from here (the token itself lands in `token_ids` when it reaches the host)
         nt = ib.num_tokens[sample_rows]
-        ib.token_ids[sample_rows, nt] = sampled_np
         ib.num_tokens[sample_rows] = nt + 1
         done_ids = (
             [r for r, d in zip(req_ids, done.tolist(), strict=True) if d]
             if n != len(sample_rows)
             else req_ids
         )
-        out.sampled = dict(zip(done_ids, sampled_np.tolist(), strict=True))
+        resolve = self._in_flight.put(
+            result.sampled, result.nonfinite, sample_rows, nt.astype(np.int64), done_ids
+        )
+        if self._defer_tokens:
+            out.resolve = resolve
+        else:
+            out.sampled = resolve()
+            self._in_flight.settle(ib)
         if result.logprob_ids is not None:
             self._collect_logprobs(out, result, done_ids, sample_rows)
         if rec is not None:
@@ -132,14 +147,20 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         for rid in so.finished_req_ids:
-            ib.remove(rid)
+            self._remove(rid)
             self._prompt_logprobs.drop(rid)
         for rid in so.preempted_req_ids:
-            ib.remove(rid)
+            self._remove(rid)
         for rid, block_ids in so.new_block_ids.items():
             ib.append_blocks(rid, block_ids)
         for new in so.new_reqs:
             ib.add(new)
+
+    def _remove(self, rid: int) -> None:
+        row = self.input_batch.rows.get(rid)
+        if row is not None:
+            self._in_flight.drop(row)
+            self.input_batch.remove(rid)
 
     def _collect_logprobs(
         self, out: ModelRunnerOutput, result: Any, req_ids: list[int], rows: np.ndarray

@@ -3,6 +3,7 @@ the engine core use it without importing the model stack)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncllm.messages import Logprobs
@@ -14,3 +15,12 @@ class ModelRunnerOutput:
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
     # complete prompt logprobs, delivered once the whole prompt has been computed
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # With overlap scheduling the runner returns before the sampled tokens reach
+    # the host: this call waits for them and gives `sampled` (the stepper calls it).
+    resolve: Callable[[], dict[int, int]] | None = None
+
+    def resolved(self) -> ModelRunnerOutput:
+        """This output with `sampled` filled in (waits for the device if needed)."""
+        if self.resolve is not None:
+            self.sampled, self.resolve = self.resolve(), None
+        return self

@@ -11,8 +11,6 @@ batch, on preemption or on step order.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
@@ -22,8 +20,6 @@ from asyncllm.worker.sampler_reference import SamplerOutput, sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]
-
-logger = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -37,13 +33,7 @@ class Sampler:
         if unseeded.any():
             md.params_i[unseeded, I_SEED] = self._engine_seed
         if logits.device.type == "cpu" and kernel_available():
-            out = sample_cpu(logits, md)
-        else:
-            out = sample_torch(logits, md)
-        if out.nonfinite:
-            logger.warning(
-                "logits of sampled rows %s have no finite maximum (NaN or inf): "
-                "each sampled its argmax",
-                out.nonfinite,
-            )
-        return out
+            return sample_cpu(logits, md)
+        # rows without a finite maximum are logged when the host reads the step's
+        # tokens (worker/in_flight.py), so that nothing here waits for the device
+        return sample_torch(logits, md)

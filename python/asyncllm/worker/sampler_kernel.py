@@ -57,7 +57,10 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         values.numpy(),
         torch.get_num_threads(),
     )
-    out = SamplerOutput(sampled=sampled, nonfinite=nonfinite)
+    out = SamplerOutput(sampled=sampled)
+    if nonfinite:
+        out.nonfinite = torch.zeros(n, dtype=torch.bool)
+        out.nonfinite[nonfinite] = True
     if width:
         out.logprob_ids, out.logprob_values, out.logprob_ranks = ids, values, ranks
     return out

@@ -12,7 +12,7 @@ in the batch. Logprobs are of the raw logits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,8 +42,15 @@ class SamplerOutput:
     logprob_ids: torch.Tensor | None = None
     logprob_values: torch.Tensor | None = None
     logprob_ranks: torch.Tensor | None = None
-    # rows whose logits had no finite maximum (sampled as their argmax)
-    nonfinite: list[int] = field(default_factory=list)
+    # [n] bool: rows whose logits had no finite maximum (sampled as their argmax);
+    # None: no such row. A device tensor on CUDA: reading it waits for the step.
+    nonfinite: torch.Tensor | None = None
+
+    def nonfinite_rows(self) -> list[int]:
+        """The rows of `nonfinite` (waits for the device)."""
+        if self.nonfinite is None:
+            return []
+        return self.nonfinite.nonzero().flatten().tolist()  # type: ignore[no-any-return]
 
 
 @dataclass(slots=True)
@@ -69,11 +76,11 @@ def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         no_max = ~logits.amax(dim=-1).isfinite()
         unsampled = no_max & ~argmax_rows
         sampled = torch.where(argmax_rows | no_max, sampled, random)
-    out = SamplerOutput(sampled=sampled)
+    # nothing here waits for the device: the runner reads `sampled` and
+    # `nonfinite` when the host needs them (worker/in_flight.py)
+    out = SamplerOutput(sampled=sampled, nonfinite=unsampled)
     if md.max_num_logprobs is not None:
         gather_logprobs(out, raw, sampled, md.max_num_logprobs)
-    if unsampled is not None:  # the one wait, after everything is queued
-        out.nonfinite = unsampled.nonzero().flatten().tolist()
     return out
 
 
