@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
 _MAX_BLOCK_SIZE = 256
+_MAX_DATA_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
 _DEFAULT_CUDA_KV_FRACTION = 0.8
 
@@ -64,9 +65,9 @@ class EngineArgs:
     null_step_delay_ms: float = 0.0
     # Overlap scheduling: schedule step N+1 and hand off step N-1 while step N's
     # forward pass runs on a runner thread (see asyncllm.engine.overlap). Default:
-    # ASYNCLLM_ASYNC_SCHEDULING, else off.
-    # None: on for CUDA, off on the CPU, where the runner thread's torch ops and the
-    # busy loop share the same cores and the measured gain is not there (README)
+    # ASYNCLLM_ASYNC_SCHEDULING, else None: on for CUDA, off on the CPU, where the
+    # runner thread's torch ops and the busy loop share the same cores and the
+    # measured gain is not there (README).
     async_scheduling: bool | None = field(default_factory=envs.async_scheduling)
     # Observability (asyncllm.tracing): a Chrome trace of every step from both
     # processes (default: $ASYNCLLM_TRACE_DIR, else off); the directory torch
@@ -75,6 +76,9 @@ class EngineArgs:
     trace_dir: str | None = None
     profile_dir: str | None = None
     collect_step_timings: bool = False
+    # Data parallelism: this many engine cores (each a whole engine with its own
+    # scheduler, KV cache and model copy) behind one front end (frontend/dp_client.py).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -135,6 +139,7 @@ class EngineArgs:
                 setattr(self, name, str(value))
         if not isinstance(self.collect_step_timings, bool):
             raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
+        _check_int("data_parallel_size", self.data_parallel_size, 1, _MAX_DATA_PARALLEL)
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""

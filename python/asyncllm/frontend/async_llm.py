@@ -33,6 +33,7 @@ from asyncllm.config import EngineArgs
 from asyncllm.engine.wire import to_wire
 from asyncllm.errors import EngineDeadError, InvalidRequestError, OutputProcessingError
 from asyncllm.frontend.core_client import MPClient
+from asyncllm.frontend.dp_client import DPClient, make_client, merge_stats
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_collector import RequestOutputCollector
 from asyncllm.frontend.output_processor import OutputProcessor, ParentState
@@ -77,7 +78,7 @@ class AsyncLLM:
         # This process's half of the timeline (the core writes the other half).
         self.tracer = Tracer(args.trace_dir, "frontend") if args.trace_dir else None
         try:
-            self.client = MPClient(
+            self.client = make_client(
                 args,
                 self._on_output,
                 self._on_dead,
@@ -203,6 +204,7 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, args: Any = None, timeout: float = 30.0) -> Any:
         """Call a core utility (get_stats, reset_prefix_cache, get_step_timings).
+        With data parallelism every core runs it and the result is their list.
         Raises TimeoutError after `timeout` seconds (the call is then forgotten)."""
         future = self.client.call_utility(method, args)
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
@@ -217,7 +219,10 @@ class AsyncLLM:
         return self.dead_error
 
     async def get_stats(self) -> dict[str, Any]:
-        return await self.call_utility("get_stats")  # type: ignore[no-any-return]
+        """The core's scheduler state; with data parallelism, the cores' merged,
+        each core's own under "engines"."""
+        stats = await self.call_utility("get_stats")
+        return merge_stats(stats) if isinstance(self.client, DPClient) else stats  # type: ignore[no-any-return]
 
     def shutdown(self) -> None:
         """Stop the engine core and release every resource. Idempotent."""
@@ -364,7 +369,7 @@ class AsyncLLM:
                 self.client.abort_requests(core_ids)
 
 
-def _shutdown(client: MPClient, tracer: Tracer | None) -> None:
+def _shutdown(client: MPClient | DPClient, tracer: Tracer | None) -> None:
     """Stop the core, then write this process's trace for the last time."""
     client.shutdown()
     if tracer is not None:

@@ -15,6 +15,7 @@ from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.engine.wire import to_wire
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.core_client import MPClient
+from asyncllm.frontend.dp_client import DPClient, make_client
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_processor import OutputProcessor, ParentState
 from asyncllm.frontend.tokenizer import Tokenizer
@@ -32,7 +33,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, multiprocess: bool = True) -> None:
         self.args = args
         self.tokenizer = Tokenizer(args.tokenizer or args.model)
-        self.client: MPClient | None = None
+        self.client: MPClient | DPClient | None = None
         self.core: EngineCore | None = None
         self._stepper: OverlapStepper | None = None
         # This process's half of the timeline (the core writes the other half).
@@ -42,7 +43,7 @@ class LLMEngine:
                 _MAX_PENDING_BATCHES
             )
             try:
-                self.client = MPClient(args, self._on_output, self._on_dead, tracer=self.tracer)
+                self.client = make_client(args, self._on_output, self._on_dead, tracer=self.tracer)
             except BaseException:
                 if self.tracer is not None:
                     self.tracer.close()

@@ -162,16 +162,23 @@ class _CoreStatsCollector(Collector):
         stats = self.stats
         if not stats:
             return
-        label = [self.model_name]
+        # one series per engine core (label `engine`, as vLLM's), also with one core
+        engines = [
+            ([self.model_name, str(rank)], s)
+            for rank, s in enumerate(stats.get("engines") or [stats])
+        ]
+        labels = ["model_name", "engine"]
         gauges = (
             ("num_requests_running", "num_running", "Requests in the running batch."),
             ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
             ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use."),
         )
         for name, key, doc in gauges:
-            if key in stats:
-                g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-                g.add_metric(label, float(stats[key]))
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for label, s in engines:
+                if key in s:
+                    g.add_metric(label, float(s[key]))
+            if g.samples:
                 yield g
         counters = (
             ("prefix_cache_queries", "Tokens looked up in the prefix cache."),
@@ -179,23 +186,26 @@ class _CoreStatsCollector(Collector):
             ("num_preemptions", "Requests preempted by the scheduler."),
         )
         for key, doc in counters:
-            name = key
-            if key in stats:
-                c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-                c.add_metric(label, float(stats[key]))
+            c = CounterMetricFamily(PREFIX + key, doc, labels=labels)
+            for label, s in engines:
+                if key in s:
+                    c.add_metric(label, float(s[key]))
+            if c.samples:
                 yield c
-        if "queue_time_cumulative" in stats:  # measured in the core's scheduler
-            bounds = [str(float(b)) for b in stats["queue_time_buckets"]] + ["+Inf"]
-            h = HistogramMetricFamily(
-                PREFIX + "request_queue_time_seconds",
-                "Time from arrival to the scheduler's first run of a request.",
-                labels=["model_name"],
-            )
-            h.add_metric(
-                label,
-                buckets=list(zip(bounds, map(float, stats["queue_time_cumulative"]), strict=True)),
-                sum_value=float(stats["queue_time_sum"]),
-            )
+        h = HistogramMetricFamily(
+            PREFIX + "request_queue_time_seconds",
+            "Time from arrival to the scheduler's first run of a request.",
+            labels=labels,
+        )
+        for label, s in engines:
+            if "queue_time_cumulative" in s:  # measured in the core's scheduler
+                bounds = [str(float(b)) for b in s["queue_time_buckets"]] + ["+Inf"]
+                h.add_metric(
+                    label,
+                    buckets=list(zip(bounds, map(float, s["queue_time_cumulative"]), strict=True)),
+                    sum_value=float(s["queue_time_sum"]),
+                )
+        if h.samples:
             yield h
 
 
