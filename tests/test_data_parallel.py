@@ -139,3 +139,41 @@ def test_metrics_show_both_engines(model_dir, tmp_path):
         assert len(server.children()) >= 2  # the two core processes
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("prefix_aware", [False, True], ids=["least-loaded", "prefix-aware"])
+def test_prefix_aware_routing_keeps_a_prefix_on_one_core(model_dir, prefix_aware):
+    args = EngineArgs(
+        model=str(model_dir),
+        executor="null",
+        null_step_delay_ms=5.0,
+        data_parallel_size=2,
+        prefix_aware_routing=prefix_aware,
+    )
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+            groups = {"a": list(range(100, 132)), "b": list(range(200, 232))}
+            gens = []
+            for name, prefix in groups.items():
+                for i in range(8):  # within the slack: one core can take all 8
+                    gen = engine.generate({"prompt_token_ids": [*prefix, i]}, long, f"{name}{i}")
+                    await gen.__anext__()
+                    gens.append((name, gen))
+            owners: dict[str, set[int]] = {"a": set(), "b": set()}
+            for i, (name, _) in enumerate(gens):
+                wire_id = engine._parents[f"{name}{i % 8}"].children[0].core_id
+                owners[name].add(engine.client.owner_of(wire_id))
+            if prefix_aware:
+                assert len(owners["a"]) == 1 and len(owners["b"]) == 1
+                assert owners["a"] != owners["b"]
+            else:
+                assert owners["a"] == owners["b"] == {0, 1}
+            for _, gen in gens:
+                await gen.aclose()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

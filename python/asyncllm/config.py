@@ -79,6 +79,10 @@ class EngineArgs:
     # Data parallelism: this many engine cores (each a whole engine with its own
     # scheduler, KV cache and model copy) behind one front end (frontend/dp_client.py).
     data_parallel_size: int = 1
+    # With data parallelism: a prompt whose first KV block was routed before goes
+    # to the same core (its prefix cache may hold it) unless that core is busier
+    # than the least-loaded one by more than a small margin.
+    prefix_aware_routing: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -140,6 +144,8 @@ class EngineArgs:
         if not isinstance(self.collect_step_timings, bool):
             raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
         _check_int("data_parallel_size", self.data_parallel_size, 1, _MAX_DATA_PARALLEL)
+        if not isinstance(self.prefix_aware_routing, bool):
+            raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""

@@ -8,6 +8,11 @@ removed when a core reports them finished), which is the cores' running +
 waiting without the lag of their stats. The request -> core map sends each abort
 to its owner. Utility calls go to every core and return the list of results.
 
+With `prefix_aware_routing`, a prompt whose first KV block (and cache salt) was
+routed before goes to the same core, whose prefix cache may still hold it, as
+long as that core has at most `_PREFIX_SLACK` more unfinished requests than the
+least-loaded one; the map of first blocks is a bounded LRU.
+
 Failure semantics: the engine is one service, so any core dying makes the whole
 engine dead, as one core's death does without data parallelism: every waiting
 request fails with `EngineDeadError`, `/health` answers 503, and the server exits
@@ -20,6 +25,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,6 +37,9 @@ from asyncllm.frontend.core_client import MPClient
 from asyncllm.tracing import Tracer
 
 logger = logging.getLogger(__name__)
+
+_PREFIX_SLACK = 8  # extra requests a core may have and still get its prefixes' requests
+_MAX_PREFIX_KEYS = 65536  # first blocks remembered for prefix-aware routing
 
 
 def make_client(
@@ -86,6 +95,8 @@ class DPClient:
         self._lock = threading.Lock()  # owners and loads: the event loop adds, receivers remove
         self._owner: dict[int, int] = {}  # wire id -> core index
         self.loads = [0] * size  # unfinished requests per core
+        self._block_size = args.block_size if args.prefix_aware_routing else 0
+        self._prefix_owner: OrderedDict[tuple[Any, ...], int] = OrderedDict()
         self.dead: EngineDeadError | None = None
         self._closing = False
         one = dataclasses.replace(args, data_parallel_size=1)
@@ -123,12 +134,28 @@ class DPClient:
         """Send one prompt's requests (its n children) to the least-loaded core."""
         if not requests:
             return
+        key = self._prefix_key(requests[0])
         with self._lock:
             rank = min(range(len(self.loads)), key=self.loads.__getitem__)
+            if key is not None:
+                cached = self._prefix_owner.get(key)
+                if cached is not None and self.loads[cached] <= self.loads[rank] + _PREFIX_SLACK:
+                    rank = cached
+                self._prefix_owner[key] = rank
+                self._prefix_owner.move_to_end(key)
+                if len(self._prefix_owner) > _MAX_PREFIX_KEYS:
+                    self._prefix_owner.popitem(last=False)
             self.loads[rank] += len(requests)
             for r in requests:
                 self._owner[r.wire_id] = rank
         self.clients[rank].add_requests(requests)
+
+    def _prefix_key(self, request: _core.AddRequest) -> tuple[Any, ...] | None:
+        """The routing key of a prompt's first full KV block, if prefix-aware."""
+        bs = self._block_size
+        if not bs or request.num_prompt_tokens < bs:
+            return None
+        return (request.cache_salt, *request.prompt_token_ids[:bs])
 
     def abort_requests(self, wire_ids: Sequence[int]) -> None:
         by_rank: dict[int, list[int]] = {}
