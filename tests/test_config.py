@@ -70,6 +70,9 @@ def test_sampling_params_defaults_and_normalisation():
         ("max_model_len", 0, ">= 1"),
         ("enable_prefix_caching", "yes", "a bool"),
         ("seed", -5, "[0,"),
+        ("num_threads", 0, "[1, 1024]"),
+        ("data_parallel_size", 0, "[1, 64]"),
+        ("prefix_aware_routing", 1, "a bool"),
         ("model", "", "local Hugging Face model directory"),
     ],
 )

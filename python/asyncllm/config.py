@@ -83,6 +83,9 @@ class EngineArgs:
     # to the same core (its prefix cache may hold it) unless that core is busier
     # than the least-loaded one by more than a small margin.
     prefix_aware_routing: bool = False
+    # torch's threads in the engine core (the model and the sampler kernel). None:
+    # torch's default (one per physical core), shared out among data-parallel cores.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -144,6 +147,8 @@ class EngineArgs:
         if not isinstance(self.collect_step_timings, bool):
             raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
         _check_int("data_parallel_size", self.data_parallel_size, 1, _MAX_DATA_PARALLEL)
+        if self.num_threads is not None:
+            _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.prefix_aware_routing, bool):
             raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
 
@@ -227,6 +232,7 @@ class EngineArgs:
             trace_dir=self.trace_dir,
             profile_dir=self.profile_dir,
             collect_step_timings=self.collect_step_timings,
+            num_threads=self.num_threads,
         )
 
 
@@ -253,6 +259,7 @@ class EngineConfig:
     trace_dir: str | None = None
     profile_dir: str | None = None
     collect_step_timings: bool = False
+    num_threads: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

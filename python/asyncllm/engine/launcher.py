@@ -23,13 +23,12 @@ logger = logging.getLogger(__name__)
 class CoreProcess:
     """The engine-core child process and its socket directory."""
 
-    def __init__(self, args: EngineArgs, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: EngineArgs) -> None:
         self.socket_dir = tempfile.mkdtemp(prefix="asyncllm-")
         os.chmod(self.socket_dir, 0o700)
         self.input_addr = f"ipc://{self.socket_dir}/input.sock"
         self.output_addr = f"ipc://{self.socket_dir}/output.sock"
         self._args = args
-        self._env = env  # variables set for the child on top of ours
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -47,8 +46,7 @@ class CoreProcess:
             "--watch-stdin",
         ]
         # stdin is a pipe we never write: when this process dies the child sees EOF.
-        env = {**os.environ, **self._env} if self._env else None
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True)
 
     @property
     def pid(self) -> int | None:

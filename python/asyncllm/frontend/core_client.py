@@ -54,7 +54,6 @@ class MPClient:
         in_thread: bool = False,
         startup_timeout: float = 300.0,
         tracer: Tracer | None = None,
-        env: dict[str, str] | None = None,
     ) -> None:
         self._on_output = on_output
         self._tracer = tracer  # spans for each frame received (asyncllm.tracing)
@@ -76,7 +75,7 @@ class MPClient:
             name = uuid.uuid4().hex
             input_addr, output_addr = f"inproc://{name}-in", f"inproc://{name}-out"
         else:
-            self.process = CoreProcess(args, env)
+            self.process = CoreProcess(args)
             input_addr, output_addr = self.process.input_addr, self.process.output_addr
         self._input = self.ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)

@@ -69,12 +69,12 @@ def make_client(
     return DPClient(args, on_output, on_dead, startup_timeout=startup_timeout, tracer=tracer)
 
 
-def _threads_per_core(size: int) -> str | None:
-    """Each core's torch threads: the machine's CPUs shared out, unless the user
-    set OMP_NUM_THREADS (then every core gets what they asked for)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    return str(max(1, (os.cpu_count() or 1) // size))
+def _threads_per_core(args: EngineArgs) -> int | None:
+    """Each core's torch threads: what the user asked for, else the machine's CPUs
+    shared out, unless OMP_NUM_THREADS says how many (torch's default then)."""
+    if args.num_threads is not None or os.environ.get("OMP_NUM_THREADS"):
+        return args.num_threads
+    return max(1, (os.cpu_count() or 1) // args.data_parallel_size)
 
 
 class DPClient:
@@ -99,9 +99,7 @@ class DPClient:
         self._prefix_owner: OrderedDict[tuple[Any, ...], int] = OrderedDict()
         self.dead: EngineDeadError | None = None
         self._closing = False
-        one = dataclasses.replace(args, data_parallel_size=1)
-        threads = _threads_per_core(size)
-        env = {"OMP_NUM_THREADS": threads} if threads else None
+        one = dataclasses.replace(args, data_parallel_size=1, num_threads=_threads_per_core(args))
 
         def start(rank: int) -> MPClient:
             try:
@@ -111,7 +109,6 @@ class DPClient:
                     self._on_dead,
                     startup_timeout=startup_timeout,
                     tracer=tracer,
-                    env=env,
                 )
             except EngineStartupError as exc:
                 raise EngineStartupError(f"data-parallel rank {rank}: {exc}") from exc

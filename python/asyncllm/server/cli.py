@@ -34,6 +34,8 @@ ENGINE_HELP: dict[str, str] = {
     "null_step_delay_ms": "simulated step time of the null executor, in ms",
     "data_parallel_size": "engine cores behind one front end, each a whole engine (model copy,"
     " KV cache, scheduler); requests go to the least-loaded",
+    "num_threads": "torch threads of each engine core (default: one per physical core,"
+    " shared out among data-parallel cores)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
     " was seen before to the same core, unless it is much busier (off by default)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs"

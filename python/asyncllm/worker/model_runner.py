@@ -38,6 +38,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.model = load_model(config.model, hf_config, config.torch_dtype, self.device)
         self.vocab_size = int(self.model.vocab_size)
         self.num_blocks = num_kv_blocks_for(config, self.model)
