@@ -28,7 +28,7 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.protocol import ChatCompletionRequest, bad_request
 from asyncllm.server.protocol_tools import ChatTool, NamedToolChoice
 from asyncllm.server.sse import ChunkRenderer, finish_json
-from asyncllm.server.tool_parsers import ParserDelta, ToolParser
+from asyncllm.server.tool_parsers import ToolParser
 from asyncllm.server.tool_parsers.base import MAX_TOOL_CALLS
 from asyncllm.server.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from asyncllm.structured_outputs import StructuredOutputsParams
@@ -167,10 +167,7 @@ class ToolStream:
         """The chunk for one output of choice `index` (None when the parser holds
         everything back and there is nothing else to say)."""
         parser = self.parsers[index]
-        delta = parser.feed(text)
-        if reason is not None:
-            rest = parser.finish()
-            delta = ParserDelta(delta.content + rest.content, delta.tool_calls + rest.tool_calls)
+        delta = parser.feed(text) if reason is None else parser.finish(text)
         if delta.tool_calls:
             self.has_calls[index] = True
         if not delta and reason is None and logprobs == b"null":

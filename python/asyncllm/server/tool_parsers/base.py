@@ -101,9 +101,10 @@ class ToolParser(ABC):
         what a model writes: text that is not a well-formed call stays content."""
 
     @abstractmethod
-    def finish(self) -> ParserDelta:
-        """The output has ended: releases whatever was held back."""
+    def finish(self, text: str = "") -> ParserDelta:
+        """The last text delta (if any), and the output has ended: releases
+        whatever was held back."""
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The whole output at once (for a non-streamed reply)."""
-        return collect([self.feed(text), self.finish()])
+        return collect([self.finish(text)])

@@ -44,8 +44,8 @@ class NamedToolParser(ToolParser):
             out.tool_calls.append(ToolCallDelta(0, arguments=text))
         return out
 
-    def finish(self) -> ParserDelta:
-        return self.feed("")
+    def finish(self, text: str = "") -> ParserDelta:
+        return self.feed(text)
 
 
 class RequiredToolParser(ToolParser):
@@ -70,7 +70,8 @@ class RequiredToolParser(ToolParser):
             self._scan(out)
         return out
 
-    def finish(self) -> ParserDelta:
+    def finish(self, text: str = "") -> ParserDelta:
+        self._buf += text
         out = ParserDelta()
         self._scan(out)
         if self._num_calls == 0:

@@ -16,8 +16,9 @@ Streaming: content is released as it comes, except a tail that could begin
 model writes it, holding back only what could be the block's closing `}` and tag.
 The arguments of a call are the model's own JSON text (not re-serialised), so the
 pieces add up to exactly what the non-streamed reply holds. One case cannot be
-undone: a block whose name was streamed and whose JSON then breaks keeps the
-pieces already sent (the non-streamed reply makes it content).
+undone: a block whose name was streamed and whose JSON then breaks, or which the
+output ends inside (max_tokens), keeps the pieces already sent; the non-streamed
+reply makes it content.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class HermesToolParser(ToolParser):
         self._buf += text
         return self._advance(final=False)
 
-    def finish(self) -> ParserDelta:
+    def finish(self, text: str = "") -> ParserDelta:
+        self._buf += text
         out = self._advance(final=True)
         if self._num_calls == 0 and self._pending_ws:
             out.content += self._pending_ws
