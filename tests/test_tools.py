@@ -305,18 +305,16 @@ def test_required_schema_moves_defs_to_the_root():
 def test_plan_constrains_required_and_named_as_vllm():
     from asyncllm.structured_outputs import StructuredOutputsParams
 
-    params = SamplingParams()
     req = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
-    constrain(req, plan_tools(req, HermesToolParser), params)
+    params = constrain(req, plan_tools(req, HermesToolParser), SamplingParams(n=2))
+    assert params.n == 2
     assert params.structured_outputs == StructuredOutputsParams(json=TIME["function"]["parameters"])
-    params = SamplingParams()
     req = request(tools=TOOLS, tool_choice="required")
-    constrain(req, plan_tools(req, HermesToolParser), params)
+    params = constrain(req, plan_tools(req, HermesToolParser), SamplingParams())
     assert params.structured_outputs.json["type"] == "array"
     for choice in ("auto", "none", None):
-        params = SamplingParams()
         req = request(tools=TOOLS, tool_choice=choice)
-        constrain(req, plan_tools(req, HermesToolParser), params)
+        params = constrain(req, plan_tools(req, HermesToolParser), SamplingParams())
         assert params.structured_outputs is None
 
 

@@ -91,7 +91,7 @@ class ChatServing(ServingBase):
         max_tokens = self.max_tokens_for(len(ids), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens)
         if plan:
-            constrain(req, plan, params)
+            params = constrain(req, plan, params)
         self.check_params(params)
         self.limits.check_response_size(
             [len(ids)],

@@ -80,10 +80,11 @@ def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser]) -> ToolPlan
     return ToolPlan("named", tools, lambda: NamedToolParser(name, parallel))
 
 
-def constrain(req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams) -> None:
-    """For "required" and a named function: the JSON schema the output must match."""
+def constrain(req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams) -> SamplingParams:
+    """`params`, for "required" and a named function with the JSON schema the
+    output must match (a validated copy, so SamplingParams checks it)."""
     if plan.mode not in ("required", "named"):
-        return
+        return params
     assert req.tools is not None
     if params.structured_outputs is not None:
         raise bad_request(
@@ -98,7 +99,7 @@ def constrain(req: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams
     else:
         schema = required_schema(req.tools, req.parallel_tool_calls)
     try:
-        params.structured_outputs = StructuredOutputsParams(json=schema)
+        return params.clone(structured_outputs=StructuredOutputsParams(json=schema))
     except ConfigError as exc:
         raise bad_request(
             str(exc).replace("StructuredOutputsParams.json", "tools"), "tools"
