@@ -73,8 +73,7 @@ def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser]) -> ToolPlan
     name = choice.function.name
     if name not in names:
         raise bad_request(
-            f"tool_choice names the function {name[:64]!r}, which is not in tools "
-            f"(tools: {', '.join(names)})",
+            f"tool_choice names the function {name[:64]!r}, which is not in tools",
             "tool_choice",
         )
     return ToolPlan("named", tools, lambda: NamedToolParser(name, parallel))
