@@ -21,7 +21,6 @@ from asyncllm.server.tool_parsers.base import (
     new_call_id,
 )
 
-_DECODER = json.JSONDecoder()
 _WS = " \t\n\r"
 
 
@@ -62,12 +61,17 @@ class RequiredToolParser(ToolParser):
         self._opened = False  # the array's `[` was read
         self._num_calls = 0
         self._broken = False  # the text is not such an array
+        # Where the element being read ends is found in one pass over the text
+        # (each character looked at once, however the deltas are cut).
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
 
     def feed(self, text: str) -> ParserDelta:
         self._buf += text
         out = ParserDelta()
-        if "}" in text or "[" in text:
-            self._scan(out)
+        self._scan(out)
         return out
 
     def finish(self, text: str = "") -> ParserDelta:
@@ -82,6 +86,32 @@ class RequiredToolParser(ToolParser):
         while self._pos < len(self._buf) and self._buf[self._pos] in chars:
             self._pos += 1
 
+    def _element_end(self) -> int:
+        """The end of the object that starts at `_pos`, or -1 while it is open."""
+        buf = self._buf
+        i = max(self._scanned, self._pos)
+        while i < len(buf):
+            ch = buf[i]
+            i += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._scanned = i
+                    return i
+        self._scanned = i
+        return -1
+
     def _scan(self, out: ParserDelta) -> None:
         if self._broken:
             return
@@ -95,13 +125,20 @@ class RequiredToolParser(ToolParser):
             self._pos += 1
             self._opened = True
         while self._num_calls < MAX_TOOL_CALLS:
-            self._skip(_WS + ",")
-            if self._pos >= len(self._buf) or self._buf[self._pos] == "]":
-                return
-            try:
-                obj, end = _DECODER.raw_decode(self._buf, self._pos)
-            except ValueError:
+            if self._depth == 0:
+                self._skip(_WS + ",")
+                if self._pos >= len(self._buf) or self._buf[self._pos] == "]":
+                    return
+                if self._buf[self._pos] != "{":
+                    self._broken = True
+                    return
+            end = self._element_end()
+            if end < 0:
                 return  # not complete yet (or never: then finish() makes it content)
+            try:
+                obj = json.loads(self._buf[self._pos : end])
+            except ValueError:
+                obj = None
             name = obj.get("name") if isinstance(obj, dict) else None
             params = obj.get("parameters") if isinstance(obj, dict) else None
             if not isinstance(name, str) or not name or not isinstance(params, dict):

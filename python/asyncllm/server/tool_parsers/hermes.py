@@ -44,6 +44,10 @@ CLOSE = "</tool_call>"
 # up to where its arguments object begins.
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 _TAIL = re.compile(r"\s*\}\s*")
+_WS = " \t\n\r"
+# A block whose header has not matched within this many characters is resolved
+# when it closes, not streamed (keeps each delta's work bounded).
+_MAX_HEADER_CHARS = 1024
 _DECODER = json.JSONDecoder()
 
 
@@ -53,6 +57,13 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+def _strip_end(text: str, end: int, floor: int) -> int:
+    """`end` moved back over whitespace, not below `floor` (no copy of `text`)."""
+    while end > floor and text[end - 1] in _WS:
+        end -= 1
+    return end
 
 
 def _header_name(match: re.Match[str]) -> str | None:
@@ -101,6 +112,7 @@ class _Block:
         self.name = ""
         self.args_start = 0  # where the arguments begin in the body
         self.sent_to = 0  # the body up to here has been sent
+        self.close_from = 0  # the closing tag is not before here
 
 
 class HermesToolParser(ToolParser):
@@ -140,7 +152,7 @@ class HermesToolParser(ToolParser):
                 self._buf = self._buf[i + len(OPEN) :]
                 self._block = _Block()
                 continue
-            j = self._buf.find(CLOSE)
+            j = self._buf.find(CLOSE, self._block.close_from)
             if j >= 0:
                 body, self._buf = self._buf[:j], self._buf[j + len(CLOSE) :]
                 self._close(out, body, OPEN + body + CLOSE)
@@ -149,6 +161,7 @@ class HermesToolParser(ToolParser):
                 body, self._buf = self._buf, ""
                 self._close(out, body, OPEN + body)
                 return out
+            self._block.close_from = max(0, len(self._buf) - len(CLOSE) + 1)
             self._stream(out, self._buf)
             return out
 
@@ -179,16 +192,17 @@ class HermesToolParser(ToolParser):
         block = self._block
         assert block is not None
         if block.index < 0:
+            if len(body) > _MAX_HEADER_CHARS:
+                return
             match = _HEADER.match(body)
             name = _header_name(match) if match else None
             if match is None or name is None or not self._may_call():
                 return
             self._start_call(out, block, name)
             block.args_start = block.sent_to = match.end()
-        end = len(body) - _partial_suffix(body, CLOSE)
-        end = len(body[:end].rstrip())
+        end = _strip_end(body, len(body) - _partial_suffix(body, CLOSE), block.sent_to)
         if end > block.args_start and body[end - 1] == "}":  # perhaps the block's own
-            end = len(body[: end - 1].rstrip())
+            end = _strip_end(body, end - 1, block.sent_to)
         end = min(end, block.args_start + MAX_CALL_CHARS)
         if end > block.sent_to:
             out.tool_calls.append(ToolCallDelta(block.index, arguments=body[block.sent_to : end]))
