@@ -225,6 +225,13 @@ def test_parsers_are_found_by_name():
         get_tool_parser("mistral-ish")
 
 
+def test_serve_rejects_an_unknown_parser_before_starting(capsys):
+    from asyncllm.server.cli import main
+
+    with pytest.raises(SystemExit, match="known parsers: hermes"):
+        main(["serve", "--tool-call-parser", "nope"])
+
+
 # -- the parsers of forced output ------------------------------------------------
 
 
