@@ -59,7 +59,6 @@ class SamplingParams:
     # Mixed into the prefix-cache key of the prompt's first block: requests share
     # cached KV blocks only when their salts are equal (None is a salt of its own).
     cache_salt: str | None = None
-    # What the output must match (a JSON schema, regex, choice or grammar); None: free.
     structured_outputs: StructuredOutputsParams | None = None
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
