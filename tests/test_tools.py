@@ -58,10 +58,12 @@ WEATHER = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string"},
+                "city": {"type": "string", "maxLength": 16},
                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
             },
             "required": ["city"],
+            # closed, so that a random-weight model's constrained output ends
+            "additionalProperties": False,
         },
     },
 }
@@ -73,6 +75,7 @@ TIME = {
             "type": "object",
             "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
             "required": ["zone"],
+            "additionalProperties": False,
         },
     },
 }
@@ -557,16 +560,22 @@ def test_named_function_arguments_validate(client, seed):
 
 
 @needs_structured
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_required_calls_validate(client, seed):
+def test_required_calls_validate(client, seed, parallel):
     jsonschema = pytest.importorskip("jsonschema")
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    whole = chat(client, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=128)
+    kw = {"tools": TOOLS, "tool_choice": "required", "seed": seed, "max_tokens": 128}
+    kw["parallel_tool_calls"] = parallel
+    whole = chat(client, **kw)
     assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.content is None
     assert whole.choices[0].message.tool_calls
+    if not parallel:
+        assert len(whole.choices[0].message.tool_calls) == 1
     for call in whole.choices[0].message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    live = streamed(client, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=128)[0]
+    live = streamed(client, **kw)[0]
     assert strip_ids(live["tool_calls"]) == strip_ids(
         [c.model_dump() for c in whole.choices[0].message.tool_calls]
     )
@@ -582,6 +591,10 @@ def test_bad_tool_requests_are_400s_naming_the_problem(client):
             "launch_rocket",
         ),
         ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": [{"role": "tool", "content": "42"}]}, "tool_call_id"),
