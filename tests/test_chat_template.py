@@ -18,6 +18,9 @@ from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.server.chat_template import (
     CHAT_TEMPLATE_FILE,
     ChatTemplate,
+    ChatTemplateError,
+    check_tools,
+    prepare_messages,
     resolve_template_source,
 )
 from conftest import tokenizer_dir
@@ -101,6 +104,93 @@ def test_tools_reach_the_template_as_in_transformers(saved, reference):
     )
     got = ours(saved).render(messages, True, {"tools": TOOLS})
     assert got == want and "get_weather" in got
+
+
+TOOL_HISTORY: list[dict[str, Any]] = [
+    {"role": "system", "content": "You call tools."},
+    {"role": "user", "content": "Weather in Paris and Zürich?"},
+    {
+        "role": "assistant",
+        "content": "Checking both.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "12 C"}]},
+]
+
+
+def test_tool_calls_and_results_render_as_in_transformers(saved, reference):
+    """OpenAI messages (arguments as JSON text, content parts) render as
+    transformers renders the same conversation with arguments as objects, the
+    form it documents for templates."""
+    theirs = json.loads(json.dumps(TOOL_HISTORY))
+    for call in theirs[2]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    theirs[4]["content"] = "12 C"
+    want = reference.apply_chat_template(
+        theirs, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    got = ours(saved).render(prepare_messages(TOOL_HISTORY), True, {"tools": TOOLS})
+    assert got == want
+    assert '{"name": "get_weather", "arguments": {"city": "Zürich"}}' in got
+    assert "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n12 C" in got
+
+
+@pytest.mark.parametrize(
+    ("message", "where"),
+    [
+        ({"role": "tool", "content": "x"}, r"messages\[0\]\.tool_call_id"),
+        ({"role": "tool", "tool_call_id": "c"}, r"messages\[0\]\.content"),
+        ({"content": "x"}, r"messages\[0\]\.role"),
+        ({"role": "user", "content": [{"type": "image_url"}]}, "only text content parts"),
+        ({"role": "user", "content": 3}, r"messages\[0\]\.content"),
+        (
+            {"role": "user", "tool_calls": []},
+            r"messages\[0\]\.tool_calls: only assistant messages",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
+            r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not valid JSON",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+            r"messages\[0\]\.tool_calls\[0\]\.function\.arguments must be a JSON object",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+            r"messages\[0\]\.tool_calls\[0\]\.function\.name",
+        ),
+    ],
+)
+def test_bad_message_shapes_name_the_field(message, where):
+    with pytest.raises(ChatTemplateError, match=where):
+        prepare_messages([message])
+
+
+def test_bad_tools_name_the_entry():
+    assert check_tools(TOOLS) == TOOLS
+    for tools, where in [
+        ({"type": "function"}, "tools must be a list"),
+        ([{"name": "f"}], r"tools\[0\] must be"),
+        ([{"type": "function", "function": {"name": ""}}], r"tools\[0\]\.function\.name"),
+        (
+            [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            r"tools\[1\]\.function\.parameters",
+        ),
+    ]:
+        with pytest.raises(ChatTemplateError, match=where):
+            check_tools(tools)
 
 
 def test_tokenizer_config_string_is_the_fallback(saved):

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from asyncllm.errors import ConfigError
+from asyncllm.structured_outputs import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 _UINT64_MAX = 2**64 - 1
@@ -58,6 +59,7 @@ class SamplingParams:
     # Mixed into the prefix-cache key of the prompt's first block: requests share
     # cached KV blocks only when their salts are equal (None is a salt of its own).
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 

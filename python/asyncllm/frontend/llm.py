@@ -10,6 +10,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from asyncllm import envs
+from asyncllm.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    check_tools,
+    prepare_messages,
+    resolve_template_source,
+)
 from asyncllm.config import EngineArgs
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import InvalidRequestError
@@ -40,6 +47,7 @@ class LLM:
             multiprocess = envs.multiprocess()
         self.engine = LLMEngine(self.engine_args, multiprocess=multiprocess)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        self._templates: dict[str | None, ChatTemplate] = {}
 
     def shutdown(self) -> None:
         """Stop the engine core and release its resources. Idempotent."""
@@ -89,6 +97,69 @@ class LLM:
             self.engine.add_request(rid, prompt, params)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI-style messages)
+        or to several (a list of them), rendered through the model's chat template
+        (or `chat_template`: a file or the template itself) as the server renders
+        them; `tools` (OpenAI function specs) go into the template. Outputs are the
+        raw replies, as from `generate` (vLLM's `LLM.chat`); reading tool calls out
+        of them is the server's job."""
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        template = self._chat_template(chat_template)
+        extra: dict[str, Any] = {}
+        try:
+            if tools is not None:
+                extra["tools"] = check_tools(tools)
+            extra.update(chat_template_kwargs or {})
+            texts = []
+            for i, conversation in enumerate(conversations):
+                try:
+                    texts.append(
+                        template.render(
+                            prepare_messages(conversation), add_generation_prompt, extra
+                        )
+                    )
+                except ChatTemplateError as exc:
+                    raise ChatTemplateError(f"conversation {i}: {exc}") from None
+        except ChatTemplateError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        # The template writes the special tokens itself (BOS included).
+        tok = self.engine.tokenizer
+        prompts: list[PromptType] = [
+            {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+            for text in texts
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_template(self, option: str | None) -> ChatTemplate:
+        """The compiled template for `option` (None: the model's), found as the
+        server finds it and compiled once."""
+        template = self._templates.get(option)
+        if template is None:
+            tok = self.engine.tokenizer
+            directories = (tok.directory, self.engine.args.model)
+            source = resolve_template_source(option, tok.config, directories)
+            if source is None:
+                raise InvalidRequestError(
+                    "this model has no chat template: pass chat_template= (a file or the "
+                    "template itself), or use generate()"
+                )
+            template = self._templates[option] = ChatTemplate(source, tok.bos_token, tok.eos_token)
+        return template
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

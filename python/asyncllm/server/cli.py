@@ -123,6 +123,12 @@ def _serve_parser(sub: Any) -> None:
         "chat_template.jinja, else tokenizer_config.json's chat_template)",
     )
     s.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="how tool calls are read from the model's output with tool_choice 'auto' "
+        "(known: hermes, for Hermes and Qwen models; default: hermes)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -157,6 +163,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from asyncllm import envs
     from asyncllm.server.config import LIMIT_HELP, ServerConfig
     from asyncllm.server.launch import run_server
+    from asyncllm.server.tool_parsers import get_tool_parser
 
     try:
         config = ServerConfig(
@@ -164,10 +171,12 @@ def _serve(ns: argparse.Namespace) -> int:
             api_key=ns.api_key or envs.api_key(),
             max_concurrent_requests=ns.max_concurrent_requests,
             chat_template=ns.chat_template,
+            tool_call_parser=ns.tool_call_parser,
             shutdown_timeout=ns.shutdown_timeout,
             stats_interval=ns.stats_interval,
             **{name: getattr(ns, name) for name in LIMIT_HELP},
         )
+        get_tool_parser(config.tool_call_parser)
     except ConfigError as exc:
         raise SystemExit(f"asyncllm serve: {exc}") from None
     return run_server(

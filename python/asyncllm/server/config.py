@@ -44,6 +44,7 @@ class ServerConfig:
     api_key: str | None = None
     max_concurrent_requests: int | None = None  # sequences (prompts x n) running at once
     chat_template: str | None = None
+    tool_call_parser: str = "hermes"  # reads tool calls in model output (tool_parsers)
     shutdown_timeout: float = 10.0
     stats_interval: float = 10.0
     # -- limits (see LIMIT_HELP) --

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.server.protocol_tools import MAX_TOOLS, ChatTool, ToolChoice
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -187,13 +188,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    # Tool calling (protocol_tools; serving_tools reads them).
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         self.check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise bad_request("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from asyncllm.frontend.async_llm import AsyncLLM
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.server.chat_template import ChatTemplate, ChatTemplateError
+from asyncllm.server.chat_template import ChatTemplate, ChatTemplateError, prepare_messages
 from asyncllm.server.limits import Admission
 from asyncllm.server.logprobs import chat_logprobs
 from asyncllm.server.metrics import ServerMetrics
@@ -26,8 +26,10 @@ from asyncllm.server.serving_base import (
     random_id,
     usage,
 )
+from asyncllm.server.serving_tools import ToolPlan, ToolStream, constrain, plan_tools, tool_message
 from asyncllm.server.sse import DONE, ChunkRenderer, SSEResponse, error_event, run_until_disconnect
 from asyncllm.server.token_text import TokenText
+from asyncllm.server.tool_parsers import get_tool_parser
 
 JSON = "application/json"
 
@@ -44,6 +46,7 @@ class ChatServing(ServingBase):
     ) -> None:
         super().__init__(engine, config, metrics, admission, token_text)
         self.template = template
+        self.tool_parser = get_tool_parser(config.tool_call_parser)
 
     def render_prompt(
         self,
@@ -60,9 +63,8 @@ class ChatServing(ServingBase):
                 "messages",
             )
         try:
-            return self.template.render(
-                [m.template_dict() for m in messages], add_generation_prompt, extra
-            )
+            dicts = prepare_messages([m.model_dump(exclude_none=True) for m in messages])
+            return self.template.render(dicts, add_generation_prompt, extra)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
 
@@ -81,12 +83,15 @@ class ChatServing(ServingBase):
     async def create(self, req: ChatCompletionRequest, receive: Any) -> Response:
         self.check_model(req.model)
         self.limits.check_sampling(req)
-        text, ids = await self.tokenize_messages(
-            req.messages, req.add_generation_prompt, req.chat_template_kwargs
-        )
+        plan = plan_tools(req, self.tool_parser)
+        extra = {"tools": plan.tools} if plan else {}
+        extra.update(req.chat_template_kwargs or {})
+        text, ids = await self.tokenize_messages(req.messages, req.add_generation_prompt, extra)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(len(ids), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens)
+        if plan:
+            params = constrain(req, plan, params)
         self.check_params(params)
         self.limits.check_response_size(
             [len(ids)],
@@ -102,10 +107,10 @@ class ChatServing(ServingBase):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.stream:
-            chunks = self._stream(req, text, ids, params, request_id, created)
+            chunks = self._stream(req, plan, text, ids, params, request_id, created)
             return SSEResponse(chunks, on_close=ticket.release)
         try:
-            work = self._complete(req, text, ids, params, request_id, created)
+            work = self._complete(req, plan, text, ids, params, request_id, created)
             body = await run_until_disconnect(receive, work)
         finally:
             ticket.release()
@@ -116,6 +121,7 @@ class ChatServing(ServingBase):
     async def _stream(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan | None,
         text: str,
         ids: list[int],
         params: SamplingParams,
@@ -126,6 +132,7 @@ class ChatServing(ServingBase):
         n = params.n
         for i in range(n):
             yield renderer.role_chunk(i)
+        tools = ToolStream(plan, renderer, n) if plan and plan.make_parser else None
         done = [False] * n
         num_top = req.top_logprobs or 0
         num_tokens = 0
@@ -143,7 +150,11 @@ class ChatServing(ServingBase):
                     if req.logprobs and c.token_ids:
                         content = chat_logprobs(self.token_text, c, num_top)
                         lp = json.dumps({"content": content}).encode()
-                    if c.text or c.finish_reason is not None or lp != b"null":
+                    if tools is not None:
+                        chunk = tools.chunk(c.index, c.text, c.finish_reason, lp)
+                        if chunk is not None:
+                            yield chunk
+                    elif c.text or c.finish_reason is not None or lp != b"null":
                         yield renderer.chunk(c.index, c.text, c.finish_reason, lp)
                     if c.finish_reason is not None:
                         done[c.index] = True
@@ -157,6 +168,7 @@ class ChatServing(ServingBase):
     async def _complete(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan | None,
         text: str,
         ids: list[int],
         params: SamplingParams,
@@ -167,11 +179,12 @@ class ChatServing(ServingBase):
         outputs, _, num_cached = await self.collect(
             self.generate(ids, text, params, request_id, timer), params.n
         )
-        return await off_loop(self._build, req, ids, outputs, num_cached, request_id, created)
+        return await off_loop(self._build, req, plan, ids, outputs, num_cached, request_id, created)
 
     def _build(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan | None,
         ids: list[int],
         outputs: list[CompletionOutput],
         num_cached: int | None,
@@ -185,16 +198,20 @@ class ChatServing(ServingBase):
             if req.logprobs:
                 content = chat_logprobs(self.token_text, c, req.top_logprobs or 0)
                 lp = {"content": content, "refusal": None}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": c.text,
+                "refusal": None,
+                "tool_calls": [],
+            }
+            finish_reason = c.finish_reason
+            if plan and plan.make_parser:
+                message, finish_reason = tool_message(plan, c.text, c.finish_reason)
             choice = {
                 "index": c.index,
-                "message": {
-                    "role": "assistant",
-                    "content": c.text,
-                    "refusal": None,
-                    "tool_calls": [],
-                },
+                "message": message,
                 "logprobs": lp,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
             choices.append(json.dumps(choice, separators=(",", ":")).encode())

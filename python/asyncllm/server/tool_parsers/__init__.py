@@ -1,0 +1,55 @@
+"""Tool-call parsers, pluggable by name (`asyncllm serve --tool-call-parser NAME`):
+each turns a model's text into content and OpenAI `tool_calls`, whole or as
+streamed deltas. `hermes` reads the `<tool_call>{...}</tool_call>` blocks of
+Hermes and Qwen models; `forced` holds the parsers for output constrained by
+`tool_choice` "required" or a named function."""
+
+from __future__ import annotations
+
+from asyncllm.errors import ConfigError
+from asyncllm.server.tool_parsers.base import (
+    ExtractedToolCalls,
+    ParserDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+)
+from asyncllm.server.tool_parsers.hermes import HermesToolParser
+
+DEFAULT_TOOL_PARSER = "hermes"
+_REGISTRY: dict[str, type[ToolParser]] = {}
+
+
+def register(cls: type[ToolParser]) -> type[ToolParser]:
+    """Make `cls` available under `cls.name` (usable as a class decorator)."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def tool_parser_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered as `name`; ConfigError listing the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(tool_parser_names())
+        message = f"--tool-call-parser {name!r} is unknown: known parsers: {known}"
+        raise ConfigError(message) from None
+
+
+register(HermesToolParser)
+
+__all__ = [
+    "DEFAULT_TOOL_PARSER",
+    "ExtractedToolCalls",
+    "ParserDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "get_tool_parser",
+    "register",
+    "tool_parser_names",
+]
