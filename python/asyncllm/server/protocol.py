@@ -165,20 +165,6 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as a chat template sees it: content parts joined into text."""
-        data = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            texts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request("only text content parts are supported", "messages")
-                texts.append(part["text"])
-            data["content"] = "\n".join(texts)
-        elif self.content is None:
-            data["content"] = ""
-        return data
-
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
