@@ -138,9 +138,9 @@ def draw(probs: torch.Tensor, kept: torch.Tensor | None, md: SamplingMetadata) -
     if kept is None:
         return token
     done = kept.gather(1, token.unsqueeze(1)).squeeze(1)
+    # every round runs, whether or not a row still needs it: asking would wait for
+    # the device, and the runner must not (worker/in_flight.py)
     for r in range(1, ROUNDS + 1):
-        if bool(done.all()):
-            break
         u = philox_uniform(md, device, r)
         t = inverse_cdf(probs if r < ROUNDS else probs * kept, u)
         ok = kept.gather(1, t.unsqueeze(1)).squeeze(1) | (r == ROUNDS)
@@ -161,7 +161,8 @@ def random_distribution(
     k = md.params_i[:, I_TOP_K]
     on = (k > 0) & (k < vocab)
     if on.any():
-        logits = top_k_masked(logits, torch.from_numpy(np.where(on, k, vocab)).to(device))
+        k = np.where(on, k, vocab)
+        logits = top_k_masked(logits, torch.from_numpy(k).to(device), int(k[on].max()))
     probs = torch.softmax(logits, dim=-1)
     kept = None
     if (md.params_f[:, F_TOP_P] < 1.0).any():
@@ -182,12 +183,12 @@ def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def top_k_masked(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """`logits` with -inf below each row's k-th largest (`top_k` = vocab: off); ties
-    at the k-th value are kept. A partial selection, not a sort."""
-    vocab = logits.shape[-1]
-    enabled = top_k < vocab
-    max_k = int(top_k[enabled].max()) if bool(enabled.any()) else vocab
+def top_k_masked(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """`logits` with -inf below each row's k-th largest (`top_k` = vocab: off; the
+    largest k below vocab is `max_k`, known on the host so that nothing here waits
+    for the device); ties at the k-th value are kept. A partial selection, not a
+    sort."""
+    enabled = top_k < logits.shape[-1]
     top_vals = logits.topk(max_k, dim=-1).values
     kth = top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
     kth = kth.masked_fill(~enabled.unsqueeze(1), _NEG_INF)
