@@ -189,7 +189,11 @@ def test_kernel_isa_names_the_variant_and_rejects_other_dtypes() -> None:
 
 def test_bad_isa_variable_raises_value_error() -> None:
     env = dict(os.environ, ASYNCLLM_KERNEL_ISA="sse9")
-    code = "from asyncllm import _core\ntry:\n _core._kernel_isa('float32')\nexcept ValueError as e:\n print(e)"
+    code = (
+        "from asyncllm import _core\n"
+        "try:\n _core._kernel_isa('float32')\n"
+        "except ValueError as e:\n print(e)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
