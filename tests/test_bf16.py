@@ -102,3 +102,34 @@ def test_engine_greedy_ids_match_transformers(
             total += len(ids)
     print(f"{engine}: greedy ids equal to transformers' {dtype} argmax: {agree}/{total}")
     assert agree >= 0.95 * total
+
+
+def test_lm_head_runs_only_for_sampled_rows_in_the_model_dtype(model_dir: Path) -> None:
+    """A prefill chunk that does not end its prompt gets no LM-head row; the head
+    runs on the model's dtype (bf16) hidden states and hands float32 to the sampler."""
+    from asyncllm import EngineArgs
+    from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
+    from asyncllm.worker.model_runner import ModelRunner
+
+    hf = load_hf_config(model_dir)
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16", device="cpu", num_kv_blocks=64)
+    runner = ModelRunner(args.resolve(hf), hf)
+    assert runner.kv_caches[0].dtype == torch.bfloat16
+    calls: list[tuple[int, torch.dtype, torch.dtype]] = []
+    head = runner.model.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden)
+        calls.append((hidden.shape[0], hidden.dtype, logits.dtype))
+        return logits
+
+    runner.model.compute_logits = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    long = NewRequestData(0, list(range(3, 43)), 40, params, [0, 1, 2], 0, frozenset())
+    short = NewRequestData(1, list(range(5, 13)), 8, params, [3], 0, frozenset())
+    out = runner.execute_model(SchedulerOutput([long, short], {}, {0: 16, 1: 8}, 24))
+    assert set(out.sampled) == {1}  # the 16-token chunk of 40 samples nothing
+    assert calls == [(1, torch.bfloat16, torch.float32)]
+    out = runner.execute_model(SchedulerOutput([], {}, {1: 1, 0: 24}, 25))
+    assert set(out.sampled) == {0, 1}
+    assert calls[1] == (2, torch.bfloat16, torch.float32)
