@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from asyncllm import ConfigError, EngineArgs, SamplingParams
@@ -60,6 +62,8 @@ def test_sampling_params_defaults_and_normalisation():
     ("field", "value", "allowed"),
     [
         ("dtype", "float64", "float32"),
+        ("kv_cache_dtype", "float16", "auto, bfloat16, float32"),
+        ("kv_cache_dtype", "fp8", "auto, bfloat16, float32"),
         ("device", "tpu", "cpu"),
         ("block_size", 0, "[1, 256]"),
         ("block_size", 24, "power of two"),
@@ -120,3 +124,69 @@ def test_async_scheduling_defaults_to_the_device(monkeypatch):
     assert EngineArgs(model="/m", device="cpu").resolve(cfg).async_scheduling is True
     with pytest.raises(ConfigError, match="async_scheduling='on' .* None \\(auto\\) or a bool"):
         EngineArgs(model="/m", async_scheduling="on")
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "requested", "runs"),
+    [
+        ("float32", "auto", "float32"),
+        ("bfloat16", "auto", "bfloat16"),
+        ("float16", "auto", "bfloat16"),  # CPU float16 runs as bfloat16
+        (None, "auto", "float32"),
+        ("float16", "float32", "float32"),
+        ("float32", "bfloat16", "bfloat16"),
+    ],
+)
+def test_dtype_auto_follows_the_checkpoint(caplog, checkpoint, requested, runs):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(max_position_embeddings=128)
+    cfg.torch_dtype = checkpoint
+    if checkpoint is None:
+        cfg.dtype = None
+    with caplog.at_level(logging.INFO, logger="asyncllm.config"):
+        config = EngineArgs(model="/m", device="cpu", dtype=requested).resolve(cfg)
+    assert config.dtype == runs
+    assert config.kv_cache_dtype == runs  # auto: the model's
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype ")]
+    assert len(lines) == 1 and lines[0].startswith(f"dtype {runs} (")
+    if checkpoint == "float16" and requested == "auto":
+        assert "float16" in lines[0] and "CPU" in lines[0]
+
+
+def test_float16_is_refused_on_the_cpu():
+    from transformers import LlamaConfig
+
+    with pytest.raises(ConfigError, match=r"EngineArgs.dtype='float16'.*bfloat16"):
+        EngineArgs(model="/m", device="cpu", dtype="float16").resolve(LlamaConfig())
+
+
+@pytest.mark.parametrize(
+    ("model", "kv", "want"),
+    [
+        ("float32", "bfloat16", "bfloat16"),
+        ("bfloat16", "float32", "float32"),
+        ("bfloat16", "auto", "bfloat16"),
+    ],
+)
+def test_kv_cache_dtype_is_its_own_knob(model, kv, want):
+    from transformers import LlamaConfig
+
+    args = EngineArgs(model="/m", device="cpu", dtype=model, kv_cache_dtype=kv)
+    config = args.resolve(LlamaConfig(max_position_embeddings=128))
+    assert (config.dtype, config.kv_cache_dtype) == (model, want)
+    assert EngineArgs.from_json(args.to_json()).kv_cache_dtype == kv
+
+
+def test_kv_cache_dtype_has_a_cli_flag():
+    import argparse
+
+    from asyncllm.server.cli import ENGINE_HELP, add_engine_args, engine_args_from
+
+    assert "model's dtype" in ENGINE_HELP["kv_cache_dtype"]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["/m", "--kv-cache-dtype", "bfloat16"])
+    assert engine_args_from(ns).kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["/m", "--kv-cache-dtype", "float16"])

@@ -4,6 +4,10 @@ against an f64 reference are in rust/kernels/tests.rs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -112,3 +116,85 @@ def test_inputs_aliasing_out_are_read_before_it_is_written() -> None:
         shared.view(2, 128).numpy(), shared.numpy(), cache.numpy(), tables, lens, 0.2, 1
     )
     assert torch.equal(shared.view(2, 128), want)
+
+
+# --- bfloat16 caches -------------------------------------------------------------
+
+
+def _bf16_against_f32(threads: int) -> None:
+    """The kernel on a bfloat16 cache and q equals it on the same values in float32."""
+    q, cache, tables, lens = _case(8, 2, 64, [1, 16, 17, 90, 300, 5], seed=3)
+    q16, cache16 = q.to(torch.bfloat16), cache.to(torch.bfloat16)
+    scale = 64**-0.5
+    want, got = torch.empty(6, 512), torch.empty(6, 512)
+    _core._paged_decode_attention(
+        want.numpy(), q16.float().numpy(), cache16.float().numpy(), tables, lens, scale, threads
+    )
+    _core._paged_decode_attention(
+        got.numpy(),
+        q16.float().numpy(),
+        cache16.view(torch.int16).numpy(),
+        tables,
+        lens,
+        scale,
+        threads,
+    )
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    # and both near the float32 SDPA of the unrounded inputs, as bf16 allows
+    ref = _reference(q, cache, tables, lens, scale)
+    torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_cache_equals_f32_cache_on_rounded_inputs(threads: int) -> None:
+    forced = os.environ.get("ASYNCLLM_KERNEL_ISA")
+    if forced == "portable":
+        assert _core._kernel_isa("bfloat16") == "portable"
+    _bf16_against_f32(threads)
+
+
+def test_portable_path_is_forced_by_the_environment() -> None:
+    """ASYNCLLM_KERNEL_ISA=portable runs the kernel without SIMD intrinsics (what a
+    CPU without AVX2 or AVX512-BF16 runs): the bf16 test passes on that path too.
+    The variable is read once per process, hence the child process."""
+    env = dict(os.environ, ASYNCLLM_KERNEL_ISA="portable")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "bf16_cache_equals_f32",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 passed" in result.stdout
+
+
+def test_kernel_isa_names_the_variant_and_rejects_other_dtypes() -> None:
+    assert _core._kernel_isa("float32") in {"portable", "avx2"}
+    assert _core._kernel_isa("bfloat16") in {"portable", "avx2", "avx512bf16"}
+    with pytest.raises(ValueError, match="dtype"):
+        _core._kernel_isa("float16")
+
+
+def test_bad_isa_variable_raises_value_error() -> None:
+    env = dict(os.environ, ASYNCLLM_KERNEL_ISA="sse9")
+    code = (
+        "from asyncllm import _core\n"
+        "try:\n _core._kernel_isa('float32')\n"
+        "except ValueError as e:\n print(e)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "ASYNCLLM_KERNEL_ISA must be" in out.stdout, out.stderr

@@ -467,7 +467,10 @@ def _paged_decode_attention(
     num_kv_heads) (grouped-query attention).
 
     q: [num_seqs, num_heads, head_dim] float32. kv_cache: [2, num_blocks,
-    block_size, num_kv_heads, head_dim] float32 (0 = K, 1 = V). block_tables:
+    block_size, num_kv_heads, head_dim] float32, or bfloat16 passed as its bits
+    (`tensor.view(torch.int16).numpy()`; accumulation stays float32, and q is then
+    rounded to bfloat16 where the CPU's AVX512-BF16 dot products run) (0 = K,
+    1 = V). block_tables:
     [num_seqs, blocks_per_seq] int64 or int32; entries past a sequence's last block
     are not read. seq_lens: [num_seqs] int64 or int32, each in
     1..blocks_per_seq * block_size. All C-contiguous; `out` writable and apart from
@@ -475,6 +478,12 @@ def _paged_decode_attention(
     The work is split over `num_threads` threads (at least 1; pass
     `torch.get_num_threads()`). Raises ValueError on a wrong dtype, shape or
     layout, a seq_len out of range or a block id outside 0..num_blocks."""
+
+def _kernel_isa(dtype: str) -> str:
+    """The instruction-set variant `_paged_decode_attention` runs on this CPU for a
+    cache of `dtype` ("float32" or "bfloat16"): "portable", "avx2" or "avx512bf16",
+    within the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx2", "portable"). For tests
+    and benchmarks. Raises ValueError on another dtype or a bad variable."""
 
 def _sample(
     logits: _Buffer,

@@ -7,6 +7,7 @@ engine starts, by `EngineArgs.resolve`, into a frozen `EngineConfig`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,12 +20,15 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
 _DEFAULT_CUDA_KV_FRACTION = 0.8
+
+logger = logging.getLogger(__name__)
 
 
 def _fail(name: str, value: object, allowed: str) -> ConfigError:
@@ -49,7 +53,10 @@ class EngineArgs:
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
+    # "auto": the checkpoint's torch_dtype, except float16 runs as bfloat16 on the CPU
     dtype: str = "auto"
+    # The KV cache's dtype; "auto" = the model's (float16 models keep float16 on CUDA)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
@@ -101,6 +108,10 @@ class EngineArgs:
             self.tokenizer = str(self.tokenizer)
         if self.dtype not in DTYPES:
             raise _fail("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _fail(
+                "kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.device not in DEVICES:
             raise _fail("device", self.device, f"one of {', '.join(DEVICES)}")
         _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
@@ -200,13 +211,8 @@ class EngineArgs:
                 device = "cpu"
             else:
                 device = "cuda"
-        dtype_name = self.dtype
-        if dtype_name == "auto":
-            dtype_name = _config_dtype(hf_config)
-            if device == "cpu" and dtype_name == "float16":
-                dtype_name = "float32"  # CPU half matmuls are slow and lossy; use fp32
-        if dtype_name == "float16" and device == "cpu":
-            raise _fail("dtype", self.dtype, "float32 or bfloat16 on the CPU")
+        dtype_name = _resolve_dtype(self.dtype, hf_config, device)
+        kv_dtype = dtype_name if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         kv_gib = self.kv_cache_memory_gib
         if kv_gib is None and self.num_kv_blocks is None and device == "cpu":
             kv_gib = _DEFAULT_CPU_KV_GIB
@@ -214,6 +220,7 @@ class EngineArgs:
             model=self.model,
             tokenizer=self.tokenizer or self.model,
             dtype=dtype_name,
+            kv_cache_dtype=kv_dtype,
             device=device,
             block_size=self.block_size,
             kv_cache_memory_gib=kv_gib,
@@ -243,6 +250,7 @@ class EngineConfig:
     model: str
     tokenizer: str
     dtype: str  # float32, bfloat16 or float16
+    kv_cache_dtype: str  # float32, bfloat16 or float16 (the model's, on CUDA only)
     device: str  # cpu or cuda
     block_size: int
     kv_cache_memory_gib: float | None
@@ -268,6 +276,12 @@ class EngineConfig:
         return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
     @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype)  # type: ignore[no-any-return]
+
+    @property
     def torch_device(self) -> torch.device:
         import torch
 
@@ -288,6 +302,26 @@ def _model_context_len(hf_config: Any) -> int | None:
     if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True):
         length = window if length is None else min(length, window)
     return length
+
+
+def _resolve_dtype(requested: str, hf_config: Any, device: str) -> str:
+    """The dtype the model runs in. "auto" takes the checkpoint's torch_dtype, except
+    that float16 runs as bfloat16 on the CPU: the same range as float32, where CPU
+    float16 matmuls are slow and overflow-prone. One log line says what runs and why."""
+    if requested != "auto":
+        if requested == "float16" and device == "cpu":
+            raise _fail("dtype", requested, "float32, bfloat16 or auto on the CPU")
+        logger.info("dtype %s (EngineArgs.dtype)", requested)
+        return requested
+    checkpoint = _config_dtype(hf_config)
+    if checkpoint == "float16" and device == "cpu":
+        logger.info(
+            "dtype bfloat16 (dtype=auto: the checkpoint is float16, which runs as bfloat16 "
+            "on the CPU)"
+        )
+        return "bfloat16"
+    logger.info("dtype %s (dtype=auto: the checkpoint's torch_dtype)", checkpoint)
+    return checkpoint
 
 
 def _config_dtype(hf_config: Any) -> str:

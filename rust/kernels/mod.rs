@@ -2,16 +2,19 @@
 //! checks them without Python; `py::kernels` is their binding.
 //!
 //! Kernels are compiled once, at install time, for the portable baseline, and
-//! carry `#[target_feature]` variants (AVX2 + FMA on x86-64) picked at run time,
+//! carry `#[target_feature]` variants (AVX2 + FMA on x86-64, and AVX512-BF16 for
+//! bf16 caches) picked at run time,
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
+mod bf16;
 mod paged_attention;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
 pub(crate) mod team;
 #[cfg(test)]
 mod tests;
 
-pub use paged_attention::{paged_decode_attention, BlockIndex, DecodeShape, KvCache};
+pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
+pub use paged_attention::{kernel_isa, paged_decode_attention, BlockIndex, DecodeShape, KvCache};
 
 /// An argument a kernel cannot work with. Every check runs before any output is
 /// written, so on error the output buffer is untouched.
@@ -38,4 +41,6 @@ pub enum KernelError {
     },
     #[error("cannot start {0} kernel threads: {1}")]
     Threads(usize, String),
+    #[error("{0}")]
+    Isa(String),
 }

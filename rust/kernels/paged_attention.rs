@@ -1,4 +1,5 @@
-//! Decode attention read in place from a paged KV cache (f32, CPU).
+//! Decode attention read in place from a paged KV cache (f32 or bf16 K/V with
+//! f32 accumulation, CPU; the bf16 parts are in `bf16`).
 //!
 //! Layout (the model runner's, per layer): the cache is
 //! `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 = K, 1 = V);
@@ -26,6 +27,7 @@ use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
 
+use super::bf16::{self, IsaCap, KvElem};
 use super::team::{self, Team};
 use super::KernelError;
 
@@ -101,23 +103,23 @@ fn shape_err(msg: String) -> KernelError {
 /// kernel needs. Every read goes through `row`, a bounds-checked view of one
 /// K or V row that lives only while that row is processed.
 #[derive(Clone, Copy)]
-pub struct KvCache<'a> {
-    ptr: *const f32,
+pub struct KvCache<'a, E = f32> {
+    ptr: *const E,
     len: usize,
-    _memory: PhantomData<&'a [f32]>,
+    _memory: PhantomData<&'a [E]>,
 }
 
 // SAFETY: a `KvCache` only ever reads its memory, and the contract of its
 // constructors (a borrowed slice, or `from_raw`'s "valid for reads and not
 // written for 'a") holds on every thread alike: sharing it is sharing a
-// `&'a [f32]`, which is Send and Sync.
-unsafe impl Send for KvCache<'_> {}
+// `&'a [E]`, which is Send and Sync (every `KvElem` is).
+unsafe impl<E: KvElem> Send for KvCache<'_, E> {}
 // SAFETY: as for Send: shared read-only access to memory nobody writes.
-unsafe impl Sync for KvCache<'_> {}
+unsafe impl<E: KvElem> Sync for KvCache<'_, E> {}
 
-impl<'a> KvCache<'a> {
+impl<'a, E: KvElem> KvCache<'a, E> {
     /// A cache held in Rust memory (tests, benchmarks).
-    pub fn new(cache: &'a [f32]) -> Self {
+    pub fn new(cache: &'a [E]) -> Self {
         KvCache {
             ptr: cache.as_ptr(),
             len: cache.len(),
@@ -125,12 +127,12 @@ impl<'a> KvCache<'a> {
         }
     }
 
-    /// A cache of `len` f32 at `ptr`, e.g. a Python buffer.
+    /// A cache of `len` elements at `ptr`, e.g. a Python buffer.
     ///
     /// # Safety
-    /// `ptr` is non-null, aligned for f32 and valid for reads of `len` elements
+    /// `ptr` is non-null, aligned for `E` and valid for reads of `len` elements
     /// for all of `'a`, and nothing writes that memory during `'a`.
-    pub unsafe fn from_raw(ptr: *const f32, len: usize) -> Self {
+    pub unsafe fn from_raw(ptr: *const E, len: usize) -> Self {
         KvCache {
             ptr,
             len,
@@ -147,7 +149,7 @@ impl<'a> KvCache<'a> {
     }
 
     /// The K half and the V half.
-    fn halves(self) -> (KvCache<'a>, KvCache<'a>) {
+    fn halves(self) -> (KvCache<'a, E>, KvCache<'a, E>) {
         let half = self.len / 2;
         let v = KvCache {
             // `wrapping_add` because an empty cache may have a dangling pointer;
@@ -162,7 +164,7 @@ impl<'a> KvCache<'a> {
     /// `len` elements from `start`. Panics when out of bounds, so memory safety
     /// never rests on the callers' index arithmetic.
     #[inline(always)]
-    fn row(&self, start: usize, len: usize) -> &'a [f32] {
+    fn row(&self, start: usize, len: usize) -> &'a [E] {
         assert!(
             start <= self.len && len <= self.len - start,
             "KV row {start}+{len} outside a cache of {} elements",
@@ -185,11 +187,12 @@ impl<'a> KvCache<'a> {
 /// id the call reads in `0..num_blocks` (entries past a sequence's last block
 /// are never read and may hold anything). `num_threads` (at least 1) is the
 /// number of threads that share the work (see `team` for which threads).
+/// K/V are f32 or bf16 (`u16` bits, see `bf16`); q and out are f32.
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
-pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
+pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex, E: KvElem>(
     shape: &DecodeShape,
     q: &[f32],
-    kv_cache: KvCache<'_>,
+    kv_cache: KvCache<'_, E>,
     block_tables: &[T],
     seq_lens: &[L],
     scale: f32,
@@ -205,17 +208,17 @@ pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
         scale,
         num_threads,
         out,
-        Isa::detect(),
+        Isa::detect::<E>()?,
     )
 }
 
 /// `paged_decode_attention` with the instruction set chosen by the caller
 /// (tests run every variant the machine supports).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn run<T: BlockIndex, L: BlockIndex>(
+pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
     shape: &DecodeShape,
     q: &[f32],
-    kv_cache: KvCache<'_>,
+    kv_cache: KvCache<'_, E>,
     block_tables: &[T],
     seq_lens: &[L],
     scale: f32,
@@ -287,12 +290,14 @@ fn heads_per_item(shape: &DecodeShape, num_threads: usize) -> usize {
 }
 
 /// The validated operands of one call, shared by every work item.
-struct Job<'a, T> {
+struct Job<'a, T, E> {
     shape: DecodeShape,
     group: usize,
     q: &'a [f32],
-    k: KvCache<'a>,
-    v: KvCache<'a>,
+    /// q rounded to bf16, for `vdpbf16ps` (empty unless the cache is bf16).
+    q_bits: Vec<u16>,
+    k: KvCache<'a, E>,
+    v: KvCache<'a, E>,
     block_tables: &'a [T],
     seq_lens: Vec<usize>,
     scale: f32,
@@ -304,12 +309,12 @@ struct Job<'a, T> {
     heads_per_item: usize,
 }
 
-impl<'a, T: BlockIndex> Job<'a, T> {
+impl<'a, T: BlockIndex, E: KvElem> Job<'a, T, E> {
     #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
     fn new<L: BlockIndex>(
         shape: &DecodeShape,
         q: &'a [f32],
-        kv_cache: KvCache<'a>,
+        kv_cache: KvCache<'a, E>,
         block_tables: &'a [T],
         seq_lens: &[L],
         scale: f32,
@@ -367,6 +372,11 @@ impl<'a, T: BlockIndex> Job<'a, T> {
             shape: *shape,
             group: shape.num_heads / shape.num_kv_heads,
             q,
+            q_bits: if E::IS_BF16 {
+                q.iter().map(|&x| bf16::f32_to_bf16(x)).collect()
+            } else {
+                Vec::new()
+            },
             k,
             v,
             block_tables,
@@ -403,40 +413,93 @@ pub(super) enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
+    /// AVX2 + FMA, and `vdpbf16ps` for the q·k dot products of a bf16 cache.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
 }
 
 impl Isa {
-    /// The best variant this CPU runs (the detection is cached by std).
-    pub(super) fn detect() -> Isa {
+    /// The best variant this CPU runs for a cache of `E`, within the cap of
+    /// `ASYNCLLM_KERNEL_ISA` (the detection is cached by std).
+    pub(super) fn detect<E: KvElem>() -> Result<Isa, KernelError> {
+        let cap = bf16::isa_cap()?;
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return Isa::Avx2Fma;
+        if cap != IsaCap::Portable
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+        {
+            if E::IS_BF16
+                && cap == IsaCap::Auto
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bf16")
+            {
+                return Ok(Isa::Avx512Bf16);
+            }
+            return Ok(Isa::Avx2Fma);
         }
-        Isa::Portable
+        let _ = cap;
+        Ok(Isa::Portable)
+    }
+
+    /// The variant's name, as `_core._kernel_isa` reports it.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => "avx512bf16",
+        }
     }
 
     #[inline]
-    fn attend<T: BlockIndex>(
+    fn attend<T: BlockIndex, E: KvElem>(
         self,
-        job: &Job<'_, T>,
+        job: &Job<'_, T, E>,
         item: usize,
         out: &mut [f32],
         s: &mut Scratch,
     ) {
         match self {
-            Isa::Portable => attend::<false, T>(job, item, out, s),
+            Isa::Portable => attend::<false, false, T, E>(job, item, out, s),
             // SAFETY: `Avx2Fma` is only constructed where the CPU has AVX2 and FMA
             // (`detect`, or tests that check the same).
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => unsafe { attend_avx2_fma(job, item, out, s) },
+            // SAFETY: `Avx512Bf16` is only constructed where the CPU has AVX2,
+            // FMA, AVX512F and AVX512-BF16 (`detect`, or tests that check the same).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => unsafe { attend_avx512_bf16(job, item, out, s) },
         }
     }
 }
 
+/// The name of the variant a call with a cache of `E` runs here (for tests
+/// and benchmarks that must know which path they measured).
+pub fn kernel_isa<E: KvElem>() -> Result<&'static str, KernelError> {
+    Ok(Isa::detect::<E>()?.name())
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn attend_avx2_fma<T: BlockIndex>(job: &Job<'_, T>, item: usize, out: &mut [f32], s: &mut Scratch) {
-    attend::<true, T>(job, item, out, s)
+fn attend_avx2_fma<T: BlockIndex, E: KvElem>(
+    job: &Job<'_, T, E>,
+    item: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    attend::<true, false, T, E>(job, item, out, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512bf16")]
+fn attend_avx512_bf16<T: BlockIndex, E: KvElem>(
+    job: &Job<'_, T, E>,
+    item: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    attend::<true, true, T, E>(job, item, out, s)
 }
 
 /// One work item: the KV heads `heads_per_item * i .. heads_per_item * (i + 1)`
@@ -445,9 +508,10 @@ fn attend_avx2_fma<T: BlockIndex>(job: &Job<'_, T>, item: usize, out: &mut [f32]
 /// read together (contiguous when the item has every KV head). `AVX2` is true
 /// when compiled inside `attend_avx2_fma`: it selects fused multiply-adds
 /// (elsewhere `mul_add` is a slow library call) and the AVX2 lane sum.
+/// `DPBF16` is true inside `attend_avx512_bf16`: q·k of bf16 rows on `vdpbf16ps`.
 #[inline(always)]
-fn attend<const AVX2: bool, T: BlockIndex>(
-    job: &Job<'_, T>,
+fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
+    job: &Job<'_, T, E>,
     item: usize,
     out: &mut [f32],
     s: &mut Scratch,
@@ -457,7 +521,13 @@ fn attend<const AVX2: bool, T: BlockIndex>(
     let items_per_seq = sh.num_kv_heads / heads;
     let (seq, first_head) = (item / items_per_seq, item % items_per_seq * heads);
     let len = job.seq_lens[seq];
-    let q = &job.q[(seq * sh.num_heads + first_head * group) * d..][..heads * group * d];
+    let q_start = (seq * sh.num_heads + first_head * group) * d;
+    let q = &job.q[q_start..][..heads * group * d];
+    let q_bits: &[u16] = if DPBF16 {
+        &job.q_bits[q_start..][..heads * group * d]
+    } else {
+        &[]
+    };
     let table = &job.block_tables[seq * sh.blocks_per_seq..][..len.div_ceil(bs)];
     let (ts, row) = (job.token_stride, heads * d);
     out.fill(0.0);
@@ -477,12 +547,21 @@ fn attend<const AVX2: bool, T: BlockIndex>(
         }
         for h in 0..heads {
             let q = &q[h * group * d..][..group * d];
+            let q_bits = if DPBF16 {
+                &q_bits[h * group * d..][..group * d]
+            } else {
+                q_bits
+            };
             let out = &mut out[h * group * d..][..group * d];
             let (max, sum) = (&mut s.max[h * group..], &mut s.sum[h * group..]);
             for t in 0..n {
                 let key = job.k.row(base + t * ts + h * d, d);
                 for (g, qg) in q.chunks_exact(d).enumerate() {
-                    s.scores[g * bs + t] = dot::<AVX2>(qg, key) * job.scale;
+                    let score = match E::bits(key) {
+                        Some(k) if DPBF16 => bf16::dot_dpbf16(&q_bits[g * d..][..d], k),
+                        _ => dot::<AVX2, E>(qg, key),
+                    };
+                    s.scores[g * bs + t] = score * job.scale;
                 }
             }
             for (g, out) in out.chunks_exact_mut(d).enumerate() {
@@ -501,7 +580,7 @@ fn attend<const AVX2: bool, T: BlockIndex>(
             for t in 0..n {
                 let value = job.v.row(base + t * ts + h * d, d);
                 for (g, out) in out.chunks_exact_mut(d).enumerate() {
-                    axpy::<AVX2>(s.scores[g * bs + t], value, out);
+                    axpy::<AVX2, E>(s.scores[g * bs + t], value, out);
                 }
             }
         }
@@ -523,17 +602,17 @@ fn madd<const AVX2: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// Dot product in 16 lanes: float addition is not associative, so the compiler
 /// vectorises a reduction only when it is written with explicit lanes.
 #[inline(always)]
-fn dot<const AVX2: bool>(a: &[f32], b: &[f32]) -> f32 {
+fn dot<const AVX2: bool, E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let (ca, ra) = a.as_chunks::<16>();
     let (cb, rb) = b.as_chunks::<16>();
     let mut tail = 0.0;
     for (x, y) in ra.iter().zip(rb) {
-        tail = madd::<AVX2>(*x, *y, tail);
+        tail = madd::<AVX2>(*x, y.to_f32(), tail);
     }
     let mut acc = [0.0f32; 16];
     for (x, y) in ca.iter().zip(cb) {
         for i in 0..16 {
-            acc[i] = madd::<AVX2>(x[i], y[i], acc[i]);
+            acc[i] = madd::<AVX2>(x[i], y[i].to_f32(), acc[i]);
         }
     }
     sum_lanes::<AVX2>(&acc) + tail
@@ -566,9 +645,9 @@ fn sum_lanes<const AVX2: bool>(acc: &[f32; 16]) -> f32 {
 /// L1: measured 2x faster on a 39 MB working set, as L1 prefetches stall once the
 /// L1 miss buffers fill.)
 #[inline(always)]
-fn prefetch(row: &[f32]) {
+fn prefetch<E>(row: &[E]) {
     #[cfg(target_arch = "x86_64")]
-    for line in row.chunks(16) {
+    for line in row.chunks(64 / std::mem::size_of::<E>()) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         // SAFETY: a prefetch is a hint; it never faults, and the address is in bounds.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
@@ -577,9 +656,9 @@ fn prefetch(row: &[f32]) {
 
 /// `out += a * x`.
 #[inline(always)]
-fn axpy<const AVX2: bool>(a: f32, x: &[f32], out: &mut [f32]) {
+fn axpy<const AVX2: bool, E: KvElem>(a: f32, x: &[E], out: &mut [f32]) {
     for (o, x) in out.iter_mut().zip(x) {
-        *o = madd::<AVX2>(a, *x, *o);
+        *o = madd::<AVX2>(a, x.to_f32(), *o);
     }
 }
 

@@ -1,8 +1,8 @@
 //! The paged decode-attention kernel against a naive f64 reference, for every
-//! instruction-set variant this machine runs.
+//! instruction-set variant this machine runs, with f32 and bf16 caches.
 
 use super::paged_attention::{exp_for_tests, run, Isa};
-use super::{paged_decode_attention, DecodeShape, KernelError, KvCache};
+use super::{bf16_to_f32, f32_to_bf16, paged_decode_attention, DecodeShape, KernelError, KvCache};
 
 /// A small deterministic generator (xorshift), values in [-1, 1).
 struct Rng(u64);
@@ -119,19 +119,76 @@ fn reference(c: &Case) -> Vec<f64> {
     out
 }
 
-fn isas() -> Vec<Isa> {
+/// Every variant this CPU runs (by feature detection, not `ASYNCLLM_KERNEL_ISA`);
+/// `bf16` adds the AVX512-BF16 one where present.
+fn isas(bf16: bool) -> Vec<Isa> {
+    #[allow(unused_mut)]
     let mut isas = vec![Isa::Portable];
-    if Isa::detect() != Isa::Portable {
-        isas.push(Isa::detect());
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        isas.push(Isa::Avx2Fma);
+        if bf16 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16") {
+            isas.push(Isa::Avx512Bf16);
+        }
     }
+    let _ = bf16;
     isas
+}
+
+/// The case with q and the cache rounded to bf16 (the rounded values, as f32,
+/// and the cache's bits).
+fn rounded(c: &Case) -> (Case, Vec<u16>) {
+    let round = |x: &f32| bf16_to_f32(f32_to_bf16(*x));
+    let bits = c.cache.iter().map(|&x| f32_to_bf16(x)).collect();
+    let case = Case {
+        shape: c.shape,
+        q: c.q.iter().map(round).collect(),
+        cache: c.cache.iter().map(round).collect(),
+        tables: c.tables.clone(),
+        seq_lens: c.seq_lens.clone(),
+        scale: c.scale,
+    };
+    (case, bits)
+}
+
+/// The bf16 cache, every variant and thread count, against the f64 reference of
+/// the rounded inputs: widening is exact and products of bf16 pairs are exact in
+/// f32, so only the f32 accumulation differs.
+fn check_bf16(c: &Case) {
+    let (c, bits) = rounded(c);
+    let want = reference(&c);
+    for isa in isas(true) {
+        for threads in [1, 3] {
+            let mut out = vec![f32::NAN; want.len()];
+            run(
+                &c.shape,
+                &c.q,
+                KvCache::new(&bits),
+                &c.tables,
+                &c.seq_lens,
+                c.scale,
+                threads,
+                &mut out,
+                isa,
+            )
+            .unwrap();
+            for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                let err = (*got as f64 - want).abs();
+                assert!(
+                    err <= 1e-5 * want.abs().max(0.1),
+                    "bf16 {isa:?} {:?} threads={threads}: out[{i}] = {got}, expected {want}",
+                    c.shape
+                );
+            }
+        }
+    }
 }
 
 /// Every instruction-set variant, with one thread (a work item per sequence, all
 /// its KV heads) and with three (few sequences per thread: an item per KV head).
 fn check(c: &Case) {
     let want = reference(c);
-    for isa in isas() {
+    for isa in isas(false) {
         for threads in [1, 3] {
             let mut out = vec![f32::NAN; want.len()];
             run(
@@ -306,4 +363,66 @@ fn exp_is_accurate_on_the_softmax_range() {
     }
     assert!(exp_for_tests(-1e4).0 < 1e-37);
     assert_eq!(exp_for_tests(0.0).0, 1.0);
+}
+
+#[test]
+fn bf16_cache_matches_reference_on_every_variant() {
+    let lens = [1, 7, 16, 17, 33, 100, 64, 250];
+    for (seed, &(heads, kv_heads)) in [(4, 4), (8, 2), (16, 4)].iter().enumerate() {
+        for head_dim in [32, 64, 128] {
+            check_bf16(&case(heads, kv_heads, head_dim, &lens, 40 + seed as u64));
+        }
+    }
+    // Head dims off the 32-wide `vdpbf16ps` chunk and the 16-wide f32 one.
+    for head_dim in [1, 8, 24, 40, 80] {
+        check_bf16(&case(6, 3, head_dim, &[5, 31, 48], head_dim as u64));
+    }
+}
+
+#[test]
+fn bf16_cache_equals_f32_cache_of_the_same_values() {
+    let (c, bits) = rounded(&case(8, 2, 64, &[300, 17, 95, 1, 160], 11));
+    let (mut a, mut b) = (vec![0.0; c.q.len()], vec![0.0; c.q.len()]);
+    let run_with = |out: &mut [f32], f32_cache: bool| {
+        if f32_cache {
+            paged_decode_attention(
+                &c.shape,
+                &c.q,
+                KvCache::new(&c.cache),
+                &c.tables,
+                &c.seq_lens,
+                c.scale,
+                2,
+                out,
+            )
+        } else {
+            paged_decode_attention(
+                &c.shape,
+                &c.q,
+                KvCache::new(&bits),
+                &c.tables,
+                &c.seq_lens,
+                c.scale,
+                2,
+                out,
+            )
+        }
+        .unwrap()
+    };
+    run_with(&mut a, true);
+    run_with(&mut b, false);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs().max(0.1), "{x} vs {y}");
+    }
+}
+
+#[test]
+fn bf16_rounding_is_to_nearest_even() {
+    assert_eq!(f32_to_bf16(1.0), 0x3f80);
+    // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even (1.0).
+    assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+    assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+    assert_eq!(bf16_to_f32(0xc000), -2.0);
+    assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+    assert_eq!(f32_to_bf16(f32::INFINITY), 0x7f80);
 }

@@ -9,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::error::Error;
-use crate::kernels::{self, BlockIndex, DecodeShape, KvCache};
+use crate::kernels::{self, BlockIndex, DecodeShape, KvCache, KvElem};
 
 /// A C-contiguous buffer of `ndim` dimensions holding `T`, or a `ValueError`
 /// naming the argument.
@@ -86,11 +86,45 @@ pub(super) fn byte_range<T: Element>(buf: &PyBuffer<T>) -> (usize, usize) {
     (start, start + buf.len_bytes())
 }
 
+/// A KV cache buffer: float32, or bfloat16 passed as its bits
+/// (`tensor.view(torch.int16).numpy()`: numpy has no bfloat16).
+enum Cache {
+    F32(PyBuffer<f32>),
+    Bf16(PyBuffer<i16>),
+}
+
+impl Cache {
+    fn get(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        match buffer::<f32>(obj, "kv_cache", "float32 or bfloat16 bits (int16)", 5) {
+            Ok(buf) => Ok(Cache::F32(buf)),
+            Err(err) => match buffer::<i16>(obj, "kv_cache", "int16", 5) {
+                Ok(buf) => Ok(Cache::Bf16(buf)),
+                Err(_) => Err(err),
+            },
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Cache::F32(b) => b.shape(),
+            Cache::Bf16(b) => b.shape(),
+        }
+    }
+
+    fn byte_range(&self) -> (usize, usize) {
+        match self {
+            Cache::F32(b) => byte_range(b),
+            Cache::Bf16(b) => byte_range(b),
+        }
+    }
+}
+
 /// Decode attention for `num_seqs` sequences of one query token each, reading
 /// K/V in place through block tables (see `crate::kernels::paged_attention`).
 /// Writes `out` `[num_seqs, num_heads * head_dim]` f32 from q
 /// `[num_seqs, num_heads, head_dim]` f32, kv_cache
-/// `[2, num_blocks, block_size, num_kv_heads, head_dim]` f32, block_tables
+/// `[2, num_blocks, block_size, num_kv_heads, head_dim]` f32 or bf16 (as int16
+/// bits; q then holds bf16 values widened to f32), block_tables
 /// `[num_seqs, blocks_per_seq]` and seq_lens `[num_seqs]` (int64 or int32).
 /// Raises `ValueError`, writing nothing, on any dtype, shape, contiguity or
 /// range problem.
@@ -115,7 +149,7 @@ fn paged_decode_attention(
 ) -> PyResult<()> {
     let out = buffer::<f32>(out, "out", "float32", 2)?;
     let q = buffer::<f32>(q, "q", "float32", 3)?;
-    let kv_cache = buffer::<f32>(kv_cache, "kv_cache", "float32", 5)?;
+    let kv_cache = Cache::get(kv_cache)?;
     let (ts, tables) = Ints::copy(py, block_tables, "block_tables", 2)?;
     let (ls, lens) = Ints::copy(py, seq_lens, "seq_lens", 1)?;
     if out.readonly() {
@@ -151,20 +185,11 @@ fn paged_decode_attention(
         return Err(mismatch("out must be [num_seqs, num_heads * head_dim]"));
     }
     let written = byte_range(&out);
-    let cache = byte_range(&kv_cache);
+    let cache = kv_cache.byte_range();
     if cache.0 < written.1 && written.0 < cache.1 {
         return Err(PyValueError::new_err("out must not overlap kv_cache"));
     }
     let q = q.to_vec(py)?;
-    // SAFETY: `kv_cache` is a C-contiguous (checked by `buffer`) f32 buffer
-    // whose pointer pyo3 checked to be aligned (non-null: `data_ptr`), valid for reads of its
-    // `item_count` elements while the `PyBuffer` is held: until this function
-    // returns, which outlives every use of `kv`. No one writes it meanwhile: the
-    // exporter cannot resize a buffer with an export outstanding, `out` (the
-    // only memory written here) was checked not to overlap it, and the sole
-    // caller (see above) runs the model on the thread that alone writes the
-    // cache, which is blocked in this call.
-    let kv = unsafe { KvCache::from_raw(data_ptr(&kv_cache), kv_cache.item_count()) };
     // SAFETY: `out` is C-contiguous, aligned (pyo3 checked), writable (checked
     // above) and valid for its `item_count` elements while the `PyBuffer` is
     // held, i.e. for all of this function; it overlaps no other operand (the
@@ -172,21 +197,59 @@ fn paged_decode_attention(
     // the call: the sole caller passes a tensor it has just allocated and
     // shares with no other thread.
     let out = unsafe { std::slice::from_raw_parts_mut(data_ptr(&out), out.item_count()) };
-    let result = match (&tables, &lens) {
-        (Ints::I64(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
-        (Ints::I64(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
+    let result = match &kv_cache {
+        Cache::F32(buf) => {
+            // SAFETY: `buf` is a C-contiguous (checked by `buffer`) f32 buffer
+            // whose pointer pyo3 checked to be aligned (non-null: `data_ptr`),
+            // valid for reads of its `item_count` elements while the `PyBuffer`
+            // is held: until this function returns, which outlives every use of
+            // `kv`. No one writes it meanwhile: the exporter cannot resize a
+            // buffer with an export outstanding, `out` (the only memory written
+            // here) was checked not to overlap it, and the sole caller (see
+            // above) runs the model on the thread that alone writes the cache,
+            // which is blocked in this call.
+            let kv = unsafe { KvCache::from_raw(data_ptr(buf), buf.item_count()) };
+            dispatch(py, &shape, &q, kv, &tables, &lens, scale, num_threads, out)
+        }
+        Cache::Bf16(buf) => {
+            // SAFETY: as for f32 above, for an int16 buffer; the pointer is cast
+            // to u16, which has i16's size and alignment and reads the same bits.
+            let kv = unsafe {
+                KvCache::<u16>::from_raw(data_ptr(buf).cast_const().cast(), buf.item_count())
+            };
+            dispatch(py, &shape, &q, kv, &tables, &lens, scale, num_threads, out)
+        }
     };
     result.map_err(|e| Error::from(e).into())
 }
 
+/// `run` for the block-table and length types the caller passed.
 #[allow(clippy::too_many_arguments)]
-fn run<T: BlockIndex, L: BlockIndex>(
+fn dispatch<E: KvElem>(
     py: Python<'_>,
     shape: &DecodeShape,
     q: &[f32],
-    kv_cache: KvCache<'_>,
+    kv: KvCache<'_, E>,
+    tables: &Ints,
+    lens: &Ints,
+    scale: f32,
+    num_threads: usize,
+    out: &mut [f32],
+) -> Result<(), kernels::KernelError> {
+    match (tables, lens) {
+        (Ints::I64(t), Ints::I64(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
+        (Ints::I64(t), Ints::I32(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
+        (Ints::I32(t), Ints::I64(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
+        (Ints::I32(t), Ints::I32(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
+    py: Python<'_>,
+    shape: &DecodeShape,
+    q: &[f32],
+    kv_cache: KvCache<'_, E>,
     tables: &[T],
     lens: &[L],
     scale: f32,
@@ -198,6 +261,24 @@ fn run<T: BlockIndex, L: BlockIndex>(
     })
 }
 
+/// The instruction-set variant `_paged_decode_attention` runs here for a cache
+/// of `dtype` ("float32" or "bfloat16"): "portable", "avx2" or "avx512bf16",
+/// after the cap of `ASYNCLLM_KERNEL_ISA`. Private: for tests and benchmarks.
+#[pyfunction(name = "_kernel_isa")]
+fn kernel_isa(dtype: &str) -> PyResult<&'static str> {
+    let isa = match dtype {
+        "float32" => kernels::kernel_isa::<f32>(),
+        "bfloat16" => kernels::kernel_isa::<u16>(),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "dtype must be \"float32\" or \"bfloat16\", got {dtype:?}"
+            )))
+        }
+    };
+    isa.map_err(|e| Error::from(e).into())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)
+    m.add_function(wrap_pyfunction!(paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_isa, m)?)
 }

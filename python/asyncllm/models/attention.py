@@ -7,9 +7,11 @@ keys up to its own position back from the cache through its block table.
 KV cache layout, per layer (allocated by the model runner):
     [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 
-Decodes on CPU in float32 read K/V in place through the block tables with the Rust
-kernel `_core._paged_decode_attention` (rust/kernels/paged_attention.rs); every other
-device and dtype gathers K/V out of the cache and runs SDPA.
+Decodes on CPU (float32 or bfloat16, the cache in either) read K/V in place through
+the block tables with the Rust kernel `_core._paged_decode_attention`
+(rust/kernels/paged_attention.rs, float32 accumulation); CUDA and float16 gather K/V
+out of the cache and run SDPA. The cache's dtype may differ from the model's
+(`EngineArgs.kv_cache_dtype`): K/V are converted as they are written and read.
 
 Everything that does not depend on the layer (block tables trimmed to what the step
 reads, key-padding and causal masks, prefill spans) is built once per step by
@@ -176,10 +178,10 @@ def _to_device(array: np.ndarray, device: torch.device, dtype: type | None = Non
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the step's k/v [T, Hkv, D] at their cache slots."""
+    """Store the step's k/v [T, Hkv, D] at their cache slots (in the cache's dtype)."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 def paged_attention(
@@ -204,7 +206,7 @@ def paged_attention(
         if span.block_table is None:
             keys, values = k[span.start : span.end], v[span.start : span.end]
         else:
-            kv = kv_cache[:, span.block_table].flatten(1, 2)[:, : span.seq_len]
+            kv = kv_cache[:, span.block_table].flatten(1, 2)[:, : span.seq_len].to(q.dtype)
             keys, values = kv[0], kv[1]
         out = F.scaled_dot_product_attention(
             q[span.start : span.end].transpose(0, 1),
@@ -221,13 +223,16 @@ def paged_attention(
     return torch.cat(outputs, dim=0)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def can_use_native_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether decodes run on the Rust kernel: CPU float32 with a contiguous cache.
-    CUDA and half precision take the torch path (gather, then SDPA)."""
+    """Whether decodes run on the Rust kernel: CPU float32 or bfloat16 with a
+    contiguous cache. CUDA and float16 take the torch path (gather, then SDPA)."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and kv_cache.dtype == torch.float32
+        and q.dtype in _NATIVE_DTYPES
+        and kv_cache.dtype in _NATIVE_DTYPES
         and kv_cache.is_contiguous()
     )
 
@@ -254,20 +259,23 @@ def _native_decode(
     and splits the (sequence, KV head) pairs over torch's threads (its OpenMP team,
     so no second pool competes with them: rust/kernels/team.rs)."""
     batch, num_heads, head_dim = q.shape
-    out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype)
+    # The kernel takes q and writes out in float32 (a bfloat16 q widens exactly), and
+    # a bfloat16 cache as its bits: numpy has no bfloat16.
+    out = torch.empty(batch, num_heads * head_dim, dtype=torch.float32)
+    cache = kv_cache if kv_cache.dtype == torch.float32 else kv_cache.view(torch.int16)
     # The kernel runs with the GIL released and reads kv_cache in place. Sound
     # because this is the runner's thread, the only one that writes the cache
     # (write_kv, just before), and `out` is a fresh tensor no one else holds.
     _core._paged_decode_attention(
         out.numpy(),
-        q.contiguous().numpy(),
-        kv_cache.numpy(),
+        q.to(torch.float32).contiguous().numpy(),
+        cache.numpy(),
         tables.numpy(),
         seq_lens.numpy(),
         scale,
         torch.get_num_threads(),
     )
-    return out
+    return out.to(q.dtype)
 
 
 def _torch_decode(
@@ -300,7 +308,7 @@ def _torch_decode_group(
     out_shape = (2, tables.numel(), flat.shape[2])
     gathered = torch.index_select(flat, 1, tables.view(-1), out=_workspace(out_shape, flat))
     kv = gathered.view(2, batch, -1, num_kv_heads, head_dim)[:, :, : group.max_len]
-    kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
+    kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, Hkv, L, D]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q, kv[0], kv[1], attn_mask=group.mask_as(q.dtype), scale=scale

@@ -14,13 +14,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.config import DEVICES, DTYPES, EXECUTORS, EngineArgs
+from asyncllm.config import DEVICES, DTYPES, EXECUTORS, KV_CACHE_DTYPES, EngineArgs
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import AsyncLLMError, ConfigError
 
 ENGINE_HELP: dict[str, str] = {
     "tokenizer": "directory with tokenizer.json (default: the model directory)",
-    "dtype": f"weights and activations dtype, one of {', '.join(DTYPES)}",
+    "dtype": f"weights and activations dtype, one of {', '.join(DTYPES)} (auto: the "
+    "checkpoint's torch_dtype; float16 runs as bfloat16 on the CPU)",
+    "kv_cache_dtype": f"KV cache dtype, one of {', '.join(KV_CACHE_DTYPES)} (auto: the "
+    "model's dtype)",
     "device": f"where the model runs, one of {', '.join(DEVICES)}",
     "block_size": "tokens per KV-cache block (a power of two)",
     "kv_cache_memory_gib": "KV-cache size in GiB (exclusive with --num-kv-blocks)",
@@ -48,7 +51,12 @@ ENGINE_HELP: dict[str, str] = {
     "collect_step_timings": "keep the engine core's per-step timers for get_step_timings "
     "(benchmarks)",
 }
-_CHOICES = {"dtype": DTYPES, "device": DEVICES, "executor": EXECUTORS}
+_CHOICES = {
+    "dtype": DTYPES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "device": DEVICES,
+    "executor": EXECUTORS,
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """Sizing and allocating the paged KV cache: one preallocated tensor per layer,
-`[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V)."""
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), in
+`EngineConfig.kv_cache_dtype` (the model's dtype unless set apart)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ _GIB = 1 << 30
 
 
 def bytes_per_block(config: EngineConfig, model: Any) -> int:
-    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
+    itemsize = torch.empty((), dtype=config.torch_kv_cache_dtype).element_size()
     return 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
@@ -47,6 +48,6 @@ def allocate_kv_caches(config: EngineConfig, model: Any, num_blocks: int) -> lis
     # garbage there would survive a zero attention weight (0 * NaN = NaN).
     shape = (2, num_blocks, config.block_size, model.num_kv_heads, model.head_dim)
     return [
-        torch.zeros(shape, dtype=config.torch_dtype, device=config.torch_device)
+        torch.zeros(shape, dtype=config.torch_kv_cache_dtype, device=config.torch_device)
         for _ in range(model.num_layers)
     ]
