@@ -77,6 +77,7 @@ class AddRequest:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         cache_salt: str | None = None,
+        structured_outputs: tuple[str, str] | None = None,
     ) -> Self: ...
     @property
     def wire_id(self) -> int: ...
@@ -118,6 +119,9 @@ class AddRequest:
     def presence_penalty(self) -> float: ...
     @property
     def cache_salt(self) -> str | None: ...
+    @property
+    def structured_outputs(self) -> tuple[str, str] | None:
+        """(kind, spec) of the output constraint (StructuredOutputsParams), or None."""
 
 @final
 class SchedulerStats:

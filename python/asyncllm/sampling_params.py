@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from asyncllm.errors import ConfigError
+from asyncllm.structured_outputs import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 _UINT64_MAX = 2**64 - 1
@@ -58,6 +59,7 @@ class SamplingParams:
     # Mixed into the prefix-cache key of the prompt's first block: requests share
     # cached KV blocks only when their salts are equal (None is a salt of its own).
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -149,6 +151,13 @@ class SamplingParams:
             "cache_salt",
             _clip(self.cache_salt),
             f"None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+        )
+        _require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            _clip(repr(self.structured_outputs)),
+            "None or a StructuredOutputsParams",
         )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
