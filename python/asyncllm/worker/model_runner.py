@@ -27,6 +27,7 @@ from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
 from asyncllm.worker.sampling_metadata import build_sampling_metadata
+from asyncllm.worker.structured import GrammarRows
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class ModelRunner:
         # where it was without keeping any generator state.
         self.sampler = Sampler(config.seed)
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
+        # Set by the engine core: the matchers of constrained requests.
+        self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
         self.recorder: StepRecorder | None = None
 
@@ -108,21 +111,27 @@ class ModelRunner:
         if rec is not None:
             t = rec.begin("sampling")
         sample_rows = rows[done]
+        done_ids = (
+            [r for r, d in zip(req_ids, done.tolist(), strict=True) if d]
+            if n != len(sample_rows)
+            else req_ids
+        )
         idx = torch.from_numpy((cu - 1)[done]).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
+        grammar = self.grammar_rows
+        if grammar is not None and grammar.matchers:
+            md.allowed = grammar.bitmask(done_ids)
         result = self.sampler(logits, md)
         sampled_np = result.sampled.cpu().numpy()
         # the runner appends sampled tokens itself: next step's inputs come from here
         nt = ib.num_tokens[sample_rows]
         ib.token_ids[sample_rows, nt] = sampled_np
         ib.num_tokens[sample_rows] = nt + 1
-        done_ids = (
-            [r for r, d in zip(req_ids, done.tolist(), strict=True) if d]
-            if n != len(sample_rows)
-            else req_ids
-        )
-        out.sampled = dict(zip(done_ids, sampled_np.tolist(), strict=True))
+        sampled = sampled_np.tolist()
+        if md.allowed is not None:
+            grammar.advance(done_ids, sampled, md.allowed[0])  # type: ignore[union-attr]
+        out.sampled = dict(zip(done_ids, sampled, strict=True))
         if result.logprob_ids is not None:
             self._collect_logprobs(out, result, done_ids, sample_rows)
         if rec is not None:
@@ -131,15 +140,22 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
+        grammar = self.grammar_rows
         for rid in so.finished_req_ids:
             ib.remove(rid)
             self._prompt_logprobs.drop(rid)
+            if grammar is not None:
+                grammar.remove(rid)
         for rid in so.preempted_req_ids:
             ib.remove(rid)
+            if grammar is not None:
+                grammar.remove(rid)
         for rid, block_ids in so.new_block_ids.items():
             ib.append_blocks(rid, block_ids)
         for new in so.new_reqs:
             ib.add(new)
+            if grammar is not None and new.grammar is not None:
+                grammar.add(new)
 
     def _collect_logprobs(
         self, out: ModelRunnerOutput, result: Any, req_ids: list[int], rows: np.ndarray
