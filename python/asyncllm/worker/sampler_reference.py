@@ -79,7 +79,9 @@ def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     return out
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> torch.Tensor:
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray
+) -> torch.Tensor:
     """A copy of `logits` with -inf at every token row `rows[i]` may not take:
     bit t % 32 of word t / 32 of `bitmask[i]` clear. One batched operation on the
     logits' device."""
