@@ -14,7 +14,6 @@ import pytest
 
 from asyncllm import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
-
 S = {"type": "string", "maxLength": 6}
 INT = {"type": "integer", "minimum": -50, "maximum": 50}
 SCHEMAS: list[dict] = [

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineArgs, EngineConfig
