@@ -309,3 +309,65 @@ def test_core_process_compiles_and_constrains():
     for schema, out in zip(SCHEMAS, outs, strict=False):
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_http_response_format_and_structured_outputs(tmp_path):
+    """The real server with the official client: json_schema on chat, json_object
+    and vLLM's structured_outputs on completions, bad constraints a 400 naming
+    the problem while the server keeps serving."""
+    openai = pytest.importorskip("openai")
+    from server_process import Server
+
+    srv = Server(tmp_path / "server.log", "asyncllm-tiny", "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        schema = SCHEMAS[1]
+        chat = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Who are you?"}],
+            max_tokens=48,
+            seed=3,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": schema, "strict": True},
+            },
+        )
+        choice = chat.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        comp = client.completions.create(
+            model="tiny",
+            prompt="Color:",
+            max_tokens=8,
+            seed=1,
+            extra_body={"structured_outputs": {"choice": ["red", "green"]}},
+        )
+        assert comp.choices[0].text in ("red", "green")
+        obj = client.completions.create(
+            model="tiny",
+            prompt="{",
+            max_tokens=6,
+            extra_body={"response_format": {"type": "json_object"}},
+        )
+        assert obj.choices[0].text.startswith("{")
+        for extra, message in [
+            ({"structured_outputs": {"regex": "(("}}, "invalid regex"),
+            (
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"schema": {"type": 7}},
+                    }
+                },
+                "JSON schema",
+            ),
+            ({"structured_outputs": {"grammar": "start: nowhere"}}, "invalid grammar"),
+            ({"structured_outputs": {"xml": "<a/>"}}, "unknown field"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra)
+            assert message in bad.value.message, bad.value.message
+        ok = client.completions.create(model="tiny", prompt="still", max_tokens=2)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()[-3000:]
