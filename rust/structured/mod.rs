@@ -62,9 +62,12 @@ pub struct Grammar {
 }
 
 impl Grammar {
-    /// A fresh matcher at the start of this grammar.
+    /// A fresh matcher at the start of this grammar. Its parser state is its own;
+    /// the lexer's lazily built automaton is shared with every other matcher of
+    /// this grammar (llguidance's plain `clone`), so it is built once, not per
+    /// request.
     pub fn matcher(&self) -> Matcher {
-        self.start.deep_clone()
+        self.start.clone()
     }
 }
 

@@ -4,6 +4,10 @@
 
 use std::sync::Arc;
 
+use tokenizers::normalizers::{NormalizerWrapper, Sequence as NormSequence};
+use tokenizers::pre_tokenizers::metaspace::PrependScheme;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::Tokenizer;
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
@@ -73,6 +77,51 @@ pub fn token_bytes(
     Ok(words)
 }
 
+/// `tokenizer` as llguidance needs it to tokenize bytes (forced text of a
+/// grammar): without the normalizer or Metaspace step that prepends a space to
+/// every encoded text (SentencePiece-style tokenizers), so "[" encodes as "["
+/// and not as " [" (llguidance's own HF adapter makes the same changes).
+fn without_prepended_space(mut tokenizer: Tokenizer) -> Result<Tokenizer, StructuredError> {
+    fn normalizer(n: NormalizerWrapper) -> Option<NormalizerWrapper> {
+        match n {
+            NormalizerWrapper::Prepend(_) => None,
+            NormalizerWrapper::Sequence(seq) => {
+                let kept: Vec<_> = seq
+                    .as_ref()
+                    .iter()
+                    .filter_map(|n| normalizer(n.clone()))
+                    .collect();
+                (!kept.is_empty()).then(|| NormalizerWrapper::Sequence(NormSequence::new(kept)))
+            }
+            other => Some(other),
+        }
+    }
+    fn pre_tokenizer(p: PreTokenizerWrapper) -> PreTokenizerWrapper {
+        match p {
+            PreTokenizerWrapper::Metaspace(mut ms) => {
+                ms.prepend_scheme = PrependScheme::Never;
+                PreTokenizerWrapper::Metaspace(ms)
+            }
+            PreTokenizerWrapper::Sequence(seq) => PreTokenizerWrapper::Sequence(PreSequence::new(
+                seq.as_ref()
+                    .iter()
+                    .map(|p| pre_tokenizer(p.clone()))
+                    .collect(),
+            )),
+            other => other,
+        }
+    }
+    if let Some(n) = tokenizer.get_normalizer().cloned() {
+        tokenizer
+            .with_normalizer(normalizer(n))
+            .map_err(|e| StructuredError::Tokenizer(e.to_string()))?;
+    }
+    if let Some(p) = tokenizer.get_pre_tokenizer().cloned() {
+        tokenizer.with_pre_tokenizer(Some(pre_tokenizer(p)));
+    }
+    Ok(tokenizer)
+}
+
 /// The llguidance environment of `tokenizer` with `eos` as its end tokens.
 pub fn tok_env(
     tokenizer: Tokenizer,
@@ -95,5 +144,6 @@ pub fn tok_env(
     if eos.len() > 1 {
         trie = trie.with_eos_tokens(eos);
     }
+    let tokenizer = without_prepended_space(tokenizer)?;
     Ok(Arc::new(Env { tokenizer, trie }))
 }
