@@ -632,7 +632,7 @@ def add_request_frame(**overrides: Any) -> bytes:
                 wire.MSG_ADD_REQUESTS,
                 [[*wire.add_request_body(wire.REQUEST_A)[:-1], ["xml", "<a/>"]]],
             ),
-            "malformed frame: AddRequests[0].structured: kind \"xml\" is not one of json, regex, "
+            'malformed frame: AddRequests[0].structured: kind "xml" is not one of json, regex, '
             "choice, grammar, json_object",
         ),
         (

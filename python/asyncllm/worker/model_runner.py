@@ -90,6 +90,14 @@ class ModelRunner:
         meta = build_attention_metadata(
             q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device
         )
+        grammar = self.grammar_rows
+        masks = None
+        if grammar is not None and grammar.matchers:
+            # the rows sampled this step (as `done` below): their masks are filled
+            # on a helper thread while the model runs
+            sampling = (seq_lens == ib.num_tokens[rows]).tolist()
+            ids = [r for r, d in zip(req_ids, sampling, strict=True) if d]
+            masks = grammar.bitmask_async(ids) if ids else None
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(self.device)
         pos_t = torch.from_numpy(pos).to(self.device)
         if rec is not None:
@@ -119,9 +127,8 @@ class ModelRunner:
         idx = torch.from_numpy((cu - 1)[done]).to(self.device)
         logits = self.model.compute_logits(hidden[idx])
         md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
-        grammar = self.grammar_rows
-        if grammar is not None and grammar.matchers:
-            md.allowed = grammar.bitmask(done_ids)
+        if masks is not None:
+            md.allowed = masks.result()
         result = self.sampler(logits, md)
         sampled_np = result.sampled.cpu().numpy()
         # the runner appends sampled tokens itself: next step's inputs come from here

@@ -2,9 +2,11 @@
 constrained request (each child of an `n > 1` request its own), the step's
 allowed-token bitmask for the constrained rows being sampled (one Rust call, the
 GIL released, rows in parallel), and the advance of every matcher by its sampled
-token (one more call). Both run on the runner's thread in step order, so the
-mask of step N+1 always follows the token of step N, with or without overlap
-scheduling.
+token (one more call). The runner starts the fill on a helper thread before the
+forward pass and waits for it just before sampling, so the masks are computed
+while the model runs; the advance follows the draw. Both belong to one step of
+the runner's thread, so the mask of step N+1 always follows the token of step N,
+with or without overlap scheduling.
 
 A matcher follows the request's tokens, not its blocks: a request that resumes
 after preemption (or finds its prompt in the prefix cache) gets a fresh matcher
@@ -12,6 +14,8 @@ that consumes the outputs it already has, so nothing is consumed twice.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,6 +30,7 @@ class GrammarRows:
         self.max_num_seqs = max_num_seqs
         self.matchers: dict[int, _core.GrammarMatcher] = {}
         self._bitmask: np.ndarray | None = None  # [max_num_seqs, words] int32, reused
+        self._pool: ThreadPoolExecutor | None = None  # the fill beside the forward pass
 
     def add(self, new: NewRequestData) -> None:
         if new.grammar is None:
@@ -53,6 +58,18 @@ class GrammarRows:
         m = len(idx)
         compiler.fill_bitmasks([matchers[req_ids[i]] for i in idx], self._bitmask, list(range(m)))
         return np.asarray(idx, dtype=np.int64), self._bitmask[:m]
+
+    def bitmask_async(
+        self, req_ids: list[int]
+    ) -> Future[tuple[np.ndarray, np.ndarray] | None] | None:
+        """`bitmask` on the helper thread (the GIL is released while it fills);
+        None when no row of `req_ids` is constrained."""
+        matchers = self.matchers
+        if not any(rid in matchers for rid in req_ids):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._pool.submit(self.bitmask, req_ids)
 
     def advance(self, req_ids: list[int], sampled: list[int], rows: np.ndarray) -> None:
         """Consume each constrained row's sampled token (`rows` as `bitmask`
