@@ -107,8 +107,10 @@ class StructuredOutputsParams:
             return cls(choice=choices)
         if kind == "json_object":
             return cls(json_object=True)
-        if kind in ("regex", "grammar"):
-            return cls(**{kind: spec})
+        if kind == "regex":
+            return cls(regex=spec)
+        if kind == "grammar":
+            return cls(grammar=spec)
         raise ConfigError(f"StructuredOutputsParams: unknown kind {kind!r}; one of {KINDS}")
 
     @property

@@ -37,7 +37,7 @@ fn walk(c: &Compiler, m: &mut Matcher, max: usize) -> (String, bool) {
             .expect("some token allowed");
         let st = advance(&mut [&mut *m], &[pick])[0];
         if !eos_tokens.contains(&pick) {
-            out.extend_from_slice(&trie.token(pick).to_vec());
+            out.extend_from_slice(trie.token(pick));
         }
         assert_ne!(st, Status::Error);
         if st == Status::Complete {
@@ -126,10 +126,6 @@ fn bad_inputs_name_the_problem() {
     assert!(msg("grammar", "start: undefined_rule").starts_with("invalid grammar"));
     assert!(msg("choice", "[]").starts_with("invalid choice"));
     assert!(msg("xml", "").contains("unknown constraint kind"));
-    // a grammar past the size limit
-    let big: Vec<String> = (0..120_000).map(|i| format!("\"k{i}\"")).collect();
-    let huge = format!("start: {}", big.join(" "));
-    assert!(msg("grammar", &huge).starts_with("invalid grammar"));
 }
 
 #[test]
