@@ -513,10 +513,11 @@ def _sample(
 
 # -- constrained decoding (rust/structured, rust/py/structured.rs) ------------------
 
-GRAMMAR_RUNNING: int
-GRAMMAR_COMPLETE: int
-GRAMMAR_ERROR: int
+GRAMMAR_RUNNING: Final[int]
+GRAMMAR_COMPLETE: Final[int]
+GRAMMAR_ERROR: Final[int]
 
+@final
 class Grammar:
     """A compiled constraint, shared by every request with the same one."""
 
@@ -525,6 +526,7 @@ class Grammar:
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of this grammar."""
 
+@final
 class GrammarMatcher:
     """One request's walk through a grammar."""
 
@@ -538,11 +540,12 @@ class GrammarMatcher:
     @property
     def error(self) -> str | None: ...
 
+@final
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and model vocabulary (llguidance);
     build it once: it walks the whole vocabulary."""
 
-    def __init__(self, tokenizer_path: str, eos_token_ids: list[int], vocab_size: int) -> None: ...
+    def __new__(cls, tokenizer_path: str, eos_token_ids: list[int], vocab_size: int) -> Self: ...
     @property
     def vocab_size(self) -> int: ...
     @property
