@@ -72,6 +72,7 @@ REQUEST_FIELDS = [
     "frequency_penalty",
     "presence_penalty",
     "cache_salt",
+    "structured_outputs",
 ]
 
 
@@ -143,6 +144,9 @@ def random_request(rng: random.Random) -> AddRequest:
         frequency_penalty=rng.uniform(-2, 2),
         presence_penalty=rng.uniform(-2, 2),
         cache_salt=maybe(lambda: rng.choice(["", "tenant-a", "ünïcode 💥", "x" * 300])),
+        structured_outputs=maybe(
+            lambda: (rng.choice(["json", "regex", "choice", "grammar"]), "ß" * rng.randint(0, 50))
+        ),
     )
 
 
@@ -190,6 +194,7 @@ def test_add_request_defaults_and_f32_rounding() -> None:
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
         "cache_salt": None,
+        "structured_outputs": None,
     }
     assert AddRequest(1, [], top_p=0.1).top_p == f32(0.1)
 
@@ -540,7 +545,7 @@ def add_request_frame(**overrides: Any) -> bytes:
         ),
         (
             wire.frame(wire.MSG_ADD_REQUESTS, [wire.add_request_body(wire.REQUEST_A)[:-1]]),
-            "malformed frame: AddRequests[0]: expected an array of 19 fields, found 18",
+            "malformed frame: AddRequests[0]: expected an array of 20 fields, found 19",
         ),
         (
             add_request_frame(prompt_token_ids=b"\x01\x00\x00\x00\x02"),
@@ -617,8 +622,26 @@ def add_request_frame(**overrides: Any) -> bytes:
             "malformed frame: OutputBatch.outputs[0].num_cached_tokens: int -1 out of range",
         ),
         (
-            wire.frame(wire.MSG_ADD_REQUESTS, [[*wire.add_request_body(wire.REQUEST_A)[:-1], 7]]),
+            wire.frame(
+                wire.MSG_ADD_REQUESTS, [[*wire.add_request_body(wire.REQUEST_A)[:-2], 7, None]]
+            ),
             "malformed frame: AddRequests[0].cache_salt: expected str, found int",
+        ),
+        (
+            wire.frame(
+                wire.MSG_ADD_REQUESTS,
+                [[*wire.add_request_body(wire.REQUEST_A)[:-1], ["xml", "<a/>"]]],
+            ),
+            'malformed frame: AddRequests[0].structured: kind "xml" is not one of json, regex, '
+            "choice, grammar, json_object",
+        ),
+        (
+            wire.frame(
+                wire.MSG_ADD_REQUESTS,
+                [[*wire.add_request_body(wire.REQUEST_A)[:-1], ["regex", "a" * (1 << 20 | 1)]]],
+            ),
+            "malformed frame: AddRequests[0].structured: spec of 1048577 bytes is over the limit "
+            "of 1048576",
         ),
         (
             wire.frame(wire.MSG_OUTPUT_BATCH, [[], [1, 0, 0.5, 0, 0, 0], 0.0]),

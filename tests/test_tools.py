@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from tool_cases import CALL_ID, TIME, TOOLS, calls, reassemble, strip_ids
 
-import asyncllm._core
 from asyncllm import LLM, SamplingParams
 from asyncllm.chat_template import ChatTemplate, prepare_messages, resolve_template_source
 from asyncllm.errors import InvalidRequestError
@@ -26,14 +25,6 @@ from server_process import Server, post
 from tiny_models import make_tiny_model
 
 openai = pytest.importorskip("openai")
-
-HAS_STRUCTURED = any(
-    "grammar" in name.lower() or "structured" in name.lower() for name in dir(asyncllm._core)
-)
-needs_structured = pytest.mark.skipif(
-    not HAS_STRUCTURED,
-    reason="needs the structured branch (the engine enforcing structured_outputs)",
-)
 
 
 # -- the real server ------------------------------------------------------------------
@@ -163,7 +154,7 @@ def test_history_with_tool_calls_and_results_renders(server, qwen_dir):
 
 def test_named_function_reply_streamed_and_not(client):
     """The reply is a call of the named function; streamed it reassembles to the
-    same call (whatever the engine wrote: constrained once structured lands)."""
+    same call (whatever the constrained engine wrote)."""
     choice = {"type": "function", "function": {"name": "get_weather"}}
     whole = chat(client, tools=TOOLS, tool_choice=choice)
     (call,) = whole.choices[0].message.tool_calls
@@ -184,7 +175,6 @@ def test_required_reply_streamed_and_not(client):
     assert live["content"] == message.content and live["finish"] == whole.choices[0].finish_reason
 
 
-@needs_structured
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_named_function_arguments_validate(client, seed):
     jsonschema = pytest.importorskip("jsonschema")
@@ -195,7 +185,6 @@ def test_named_function_arguments_validate(client, seed):
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
 
 
-@needs_structured
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_required_calls_validate(client, seed, parallel):

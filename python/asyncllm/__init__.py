@@ -13,6 +13,7 @@ from asyncllm.errors import (
 )
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -53,4 +54,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -77,6 +77,7 @@ class AddRequest:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         cache_salt: str | None = None,
+        structured_outputs: tuple[str, str] | None = None,
     ) -> Self: ...
     @property
     def wire_id(self) -> int: ...
@@ -118,6 +119,9 @@ class AddRequest:
     def presence_penalty(self) -> float: ...
     @property
     def cache_salt(self) -> str | None: ...
+    @property
+    def structured_outputs(self) -> tuple[str, str] | None:
+        """(kind, spec) of the output constraint (StructuredOutputsParams), or None."""
 
 @final
 class SchedulerStats:
@@ -515,3 +519,58 @@ def _sample(
     float32 (w = 0, or >= 1 + every row's num_logprobs; padded with -1 / NaN).
     Returns the rows whose logits had no finite maximum (sampled as their argmax).
     Raises ValueError, writing nothing, on a bad dtype, shape, parameter or token id."""
+
+# -- constrained decoding (rust/structured, rust/py/structured.rs) ------------------
+
+GRAMMAR_RUNNING: Final[int]
+GRAMMAR_COMPLETE: Final[int]
+GRAMMAR_ERROR: Final[int]
+
+@final
+class Grammar:
+    """A compiled constraint, shared by every request with the same one."""
+
+    @property
+    def kind(self) -> str: ...
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of this grammar."""
+
+@final
+class GrammarMatcher:
+    """One request's walk through a grammar."""
+
+    def consume(self, tokens: list[int]) -> int:
+        """Consumes `tokens` in order; stops at the end of the grammar. Returns
+        GRAMMAR_RUNNING, GRAMMAR_COMPLETE or GRAMMAR_ERROR."""
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` consumed tokens."""
+    @property
+    def status(self) -> int: ...
+    @property
+    def error(self) -> str | None: ...
+
+@final
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and model vocabulary (llguidance);
+    build it once: it walks the whole vocabulary."""
+
+    def __new__(cls, tokenizer_path: str, eos_token_ids: list[int], vocab_size: int) -> Self: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def words(self) -> int:
+        """int32 words per bitmask row: ceil(vocab_size / 32)."""
+    def compile(self, kind: str, spec: str) -> Grammar:
+        """Compiles (kind, spec) with the GIL released; ValueError names the problem."""
+    def fill_bitmasks(
+        self, matchers: list[GrammarMatcher], out: _Buffer, rows: list[int]
+    ) -> list[int]:
+        """Writes each matcher's allowed tokens into row rows[i] of `out` (int32
+        [N, words]) with the GIL released; returns the indices of matchers in
+        error (their rows allow EOS only)."""
+    def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bytes:
+        """Advances matchers[i] by tokens[i]; per matcher a GRAMMAR_* status (a byte)."""
+
+def _apply_token_bitmask(logits: _Buffer, bitmask: _Buffer, rows: list[int]) -> None:
+    """Sets logits[rows[i], t] = -inf where row i of `bitmask` disallows t, in place
+    with the GIL released. Private: the runner's sampler owns both buffers."""

@@ -152,6 +152,13 @@ class SamplingParams:
             _clip(self.cache_salt),
             f"None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
         )
+        _require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            _clip(repr(self.structured_outputs)),
+            "None or a StructuredOutputsParams",
+        )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

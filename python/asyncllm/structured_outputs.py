@@ -84,9 +84,34 @@ class StructuredOutputsParams:
                     raise _fail(
                         "choice", c, f"a list of non-empty strings of <= {MAX_CHOICE_CHARS} chars"
                     )
+            total = sum(len(c) for c in self.choice)
+            if total > MAX_SPEC_CHARS:
+                raise _fail(
+                    "choice", f"<{total} chars in all>", f"at most {MAX_SPEC_CHARS} chars in all"
+                )
             self.choice = list(self.choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise _fail("json_object", self.json_object, "a bool")
+
+    @classmethod
+    def from_spec(cls, kind: str, spec: str) -> StructuredOutputsParams:
+        """The inverse of (`kind`, `spec()`): how the engine core rebuilds it from
+        the wire. Raises ConfigError as the constructor does."""
+        if kind == "json":
+            return cls(json=spec)
+        if kind == "choice":
+            try:
+                choices = json.loads(spec)
+            except ValueError as e:
+                raise _fail("choice", spec, f"a JSON list of strings ({e})") from None
+            return cls(choice=choices)
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "regex":
+            return cls(regex=spec)
+        if kind == "grammar":
+            return cls(grammar=spec)
+        raise ConfigError(f"StructuredOutputsParams: unknown kind {kind!r}; one of {KINDS}")
 
     @property
     def kind(self) -> str:

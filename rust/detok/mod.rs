@@ -44,7 +44,7 @@ mod tests;
 pub use batch::{Detokenizer, RequestParams, StepBatch, StepItem, StepOutputs};
 pub use stop::{StopMatch, StopMatcher};
 pub use stream::{DecodeOptions, IncrementalDecoder};
-pub use table::DecodeTable;
+pub use table::{DecodeTable, Piece};
 
 use thiserror::Error;
 

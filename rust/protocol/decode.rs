@@ -6,7 +6,7 @@ use super::encode::{ADD_REQUEST_FIELDS, LOGPROBS_FIELDS, READY_FIELDS, STATS_FIE
 use super::error::{WireError, WireResult};
 use super::frame::{split_frame, DEFAULT_MAX_FRAME_SIZE};
 use super::messages::{
-    AddRequest, FinishReason, Logprobs, Message, MessageType, Ready, SchedulerStats,
+    AddRequest, FinishReason, Logprobs, Message, MessageType, Ready, SchedulerStats, StructuredSpec,
 };
 use super::reader::Reader;
 use super::value::read_value;
@@ -80,7 +80,19 @@ fn read_add_request(r: &mut Reader<'_>) -> WireResult<AddRequest> {
         frequency_penalty: r.f32("frequency_penalty")?,
         presence_penalty: r.f32("presence_penalty")?,
         cache_salt: r.opt(|r| r.str("cache_salt").map(str::to_string))?,
+        structured: r.opt(read_structured)?,
     })
+}
+
+fn read_structured(r: &mut Reader<'_>) -> WireResult<StructuredSpec> {
+    r.expect_array(2, "structured")?;
+    let spec = StructuredSpec {
+        kind: r.str("structured.kind")?.to_string(),
+        spec: r.str("structured.spec")?.to_string(),
+    };
+    spec.check()
+        .map_err(|e| WireError::malformed("structured", e))?;
+    Ok(spec)
 }
 
 fn read_abort(r: &mut Reader<'_>) -> WireResult<Message> {

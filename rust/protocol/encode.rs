@@ -12,7 +12,7 @@ use super::value::{write_value, Value};
 use super::writer::Writer;
 
 // Field counts of the positional arrays; `decode.rs` checks the same numbers.
-pub(super) const ADD_REQUEST_FIELDS: usize = 19;
+pub(super) const ADD_REQUEST_FIELDS: usize = 20;
 pub(super) const REQUEST_OUTPUT_FIELDS: usize = 8;
 pub(super) const LOGPROBS_FIELDS: usize = 5;
 pub(super) const STATS_FIELDS: usize = 6;
@@ -73,7 +73,8 @@ where
         .clone()
         .map(|r| {
             let salt = r.cache_salt.as_ref().map_or(0, String::len);
-            96 + salt + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len())
+            let spec = r.structured.as_ref().map_or(0, |s| 16 + s.spec.len());
+            96 + salt + spec + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len())
         })
         .sum();
     let mut w = frame_writer_in(buf, MessageType::AddRequests, 8 + capacity);
@@ -106,6 +107,15 @@ fn write_add_request(w: &mut Writer, r: &AddRequest) -> WireResult<()> {
     w.f32(r.presence_penalty);
     match &r.cache_salt {
         Some(salt) => w.str(salt, "cache_salt")?,
+        None => w.nil(),
+    }
+    match &r.structured {
+        Some(s) => {
+            s.check().map_err(|e| WireError::encode("structured", e))?;
+            w.array_len(2, "structured")?;
+            w.str(&s.kind, "structured.kind")?;
+            w.str(&s.spec, "structured.spec")?;
+        }
         None => w.nil(),
     }
     Ok(())

@@ -77,6 +77,44 @@ pub struct AddRequest {
     /// Enters the first prefix-cache block key, so requests with different
     /// salts never share cached blocks (vLLM's `cache_salt`).
     pub cache_salt: Option<String>,
+    /// The constraint the output must match (`StructuredOutputsParams`), if any.
+    pub structured: Option<StructuredSpec>,
+}
+
+/// A request's output constraint as the grammar compiler takes it: `kind` one
+/// of [`STRUCTURED_KINDS`], `spec` its text (`StructuredOutputsParams.spec()`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StructuredSpec {
+    pub kind: String,
+    pub spec: String,
+}
+
+/// The constraint kinds (`asyncllm.structured_outputs.KINDS`).
+pub const STRUCTURED_KINDS: [&str; 5] = ["json", "regex", "choice", "grammar", "json_object"];
+
+/// The most bytes a constraint's spec may take on the wire: above what the
+/// Python side's bounds allow (64 Ki chars of schema, regex, grammar or
+/// choices, JSON-escaped), so only a forged frame meets it.
+pub const MAX_STRUCTURED_SPEC_BYTES: usize = 1 << 20;
+
+impl StructuredSpec {
+    /// Why this spec may not go on (or come off) the wire, if it may not.
+    pub fn check(&self) -> Result<(), String> {
+        if !STRUCTURED_KINDS.contains(&self.kind.as_str()) {
+            return Err(format!(
+                "kind {:?} is not one of {}",
+                self.kind,
+                STRUCTURED_KINDS.join(", ")
+            ));
+        }
+        if self.spec.len() > MAX_STRUCTURED_SPEC_BYTES {
+            return Err(format!(
+                "spec of {} bytes is over the limit of {MAX_STRUCTURED_SPEC_BYTES}",
+                self.spec.len()
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl AddRequest {
@@ -103,6 +141,7 @@ impl AddRequest {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             cache_salt: None,
+            structured: None,
         }
     }
 }

@@ -10,7 +10,8 @@
 //!                  max_tokens, min_tokens, temperature:f32, top_p:f32, top_k:int,
 //!                  min_p:f32, seed?, stop_token_ids:bin, ignore_eos:bool, logprobs?,
 //!                  prompt_logprobs?, repetition_penalty:f32, frequency_penalty:f32,
-//!                  presence_penalty:f32, cache_salt?:str], ...]
+//!                  presence_penalty:f32, cache_salt?:str,
+//!                  structured?:[kind:str, spec:str]], ...]
 //! Abort          [[wire_id, ...]]
 //! UtilityCall    [call_id, method:str, args:value]
 //! UtilityResult  [call_id, ok:bool, value (ok) | error message:str (not ok)]
@@ -52,9 +53,9 @@ pub use error::{WireError, WireResult};
 pub use frame::{split_frame, DEFAULT_MAX_FRAME_SIZE, HEADER_LEN};
 pub use messages::{
     AddRequest, FinishReason, Logprobs, LogprobsRef, Message, MessageType, OutputBatch, Ready,
-    RequestOutput, SchedulerStats,
+    RequestOutput, SchedulerStats, StructuredSpec, MAX_STRUCTURED_SPEC_BYTES, STRUCTURED_KINDS,
 };
 pub use value::{Value, MAX_VALUE_DEPTH};
 
 /// Version byte carried by every frame; bumped on any schema change.
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;

@@ -7,6 +7,7 @@ mod errors;
 mod kernels;
 mod prefix_hash;
 mod sampler;
+mod structured;
 
 use pyo3::prelude::*;
 
@@ -32,5 +33,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kernels::register(m)?;
     prefix_hash::register(m)?;
     sampler::register(m)?;
+    structured::register(m)?;
     Ok(())
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import Any
 
 from asyncllm._core import block_hash_root, hash_blocks
 from asyncllm.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class Request:
         "num_cached_prompt_tokens",
         "max_num_tokens",
         "num_output_placeholders",
+        "grammar",
     )
 
     def __init__(
@@ -99,7 +101,8 @@ class Request:
         # the length at which it stops for max_tokens: one compare per decode
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         stops = set(sampling_params.stop_token_ids or ())
-        if not sampling_params.ignore_eos:
+        # a constrained request ends at the EOS its grammar allows only at its end
+        if not sampling_params.ignore_eos or sampling_params.structured_outputs is not None:
             stops.update(eos_token_ids)
         self.stop_token_ids = frozenset(stops)
         self.status = RequestStatus.WAITING
@@ -113,6 +116,8 @@ class Request:
         # Overlap scheduling: tokens scheduled to be sampled whose ids are not known
         # yet (counted as computed-but-unknown, as vLLM's placeholders); 0 otherwise.
         self.num_output_placeholders = 0
+        # the compiled output constraint (`_core.Grammar`), set by the engine core
+        self.grammar: Any = None
         self.hash_full_blocks()
 
     @property

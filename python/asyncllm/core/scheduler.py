@@ -170,6 +170,7 @@ class Scheduler:
                         block_ids=kv.block_ids(rid),
                         num_computed_tokens=num_cached,
                         stop_token_ids=request.stop_token_ids,
+                        grammar=request.grammar,
                     )
                 )
 

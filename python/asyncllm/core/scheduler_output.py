@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -19,6 +20,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: frozenset[int]
+    # the compiled output constraint (`_core.Grammar`), or None
+    grammar: Any = None
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineArgs, EngineConfig
@@ -18,11 +19,13 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
+from asyncllm.grammar_cache import GrammarCache
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
 from asyncllm.worker.null_runner import NullModelRunner
+from asyncllm.worker.structured import GrammarRows
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner
@@ -53,6 +56,13 @@ class EngineCore:
 
             self.runner = ModelRunner(config, hf_config)
         self.vocab_size = self.runner.vocab_size
+        # Output constraints, compiled in `make_request` (off the busy loop); the
+        # runner walks each request's grammar as it samples.
+        self.grammars = GrammarCache(
+            Path(config.tokenizer) / "tokenizer.json", sorted(self.eos_token_ids), self.vocab_size
+        )
+        if not isinstance(self.runner, NullModelRunner):
+            self.runner.grammar_rows = GrammarRows(self.grammars, config.max_num_seqs)
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -93,7 +103,15 @@ class EngineCore:
         p = req.sampling_params
         check_token_ids(req.prompt_token_ids, self.vocab_size, "prompt")
         check_token_ids(p.stop_token_ids or (), self.vocab_size, "stop_token_ids")
-        return Request(
+        grammar = None
+        if p.structured_outputs is not None:
+            if isinstance(self.runner, NullModelRunner):
+                raise InvalidRequestError(
+                    f"request {req.request_id!r}: structured_outputs needs a model "
+                    "(the null executor samples without one)"
+                )
+            grammar = self.grammars.compile(p.structured_outputs)  # GIL released
+        request = Request(
             req.request_id,
             req.prompt_token_ids,
             p,
@@ -104,6 +122,8 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
         )
+        request.grammar = grammar
+        return request
 
     def add_request(self, req: EngineCoreRequest | Request) -> None:
         request = req if isinstance(req, Request) else self.make_request(req)

@@ -9,11 +9,13 @@ from __future__ import annotations
 from asyncllm._core import AddRequest
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_outputs import StructuredOutputsParams
 from asyncllm.token_checks import clamp_max_tokens
 
 
 def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
     p = req.sampling_params
+    so = p.structured_outputs
     return AddRequest(
         req.request_id,
         req.prompt_token_ids,
@@ -34,11 +36,13 @@ def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         cache_salt=p.cache_salt,
+        structured_outputs=None if so is None else (so.kind, so.spec()),
     )
 
 
 def from_wire(add: AddRequest) -> EngineCoreRequest:
     """Raises ConfigError when the wire carries values SamplingParams rejects."""
+    so = add.structured_outputs
     params = SamplingParams(
         max_tokens=add.max_tokens,
         min_tokens=min(add.min_tokens, add.max_tokens),
@@ -55,6 +59,7 @@ def from_wire(add: AddRequest) -> EngineCoreRequest:
         frequency_penalty=add.frequency_penalty,
         presence_penalty=add.presence_penalty,
         cache_salt=add.cache_salt,
+        structured_outputs=None if so is None else StructuredOutputsParams.from_spec(*so),
     )
     return EngineCoreRequest(
         add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority

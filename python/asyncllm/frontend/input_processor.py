@@ -8,6 +8,7 @@ from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.grammar_cache import GrammarCache
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.token_checks import check_token_ids
 
@@ -22,6 +23,11 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # Compiles output constraints so a bad one fails here, naming the problem;
+        # built on the first constrained request (the EOS id does not change
+        # whether a constraint compiles).
+        eos = tokenizer.eos_token_id
+        self.grammars = GrammarCache(tokenizer.path, [0 if eos is None else eos], vocab_size)
 
     def process(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); raises InvalidRequestError."""
@@ -58,6 +64,10 @@ class InputProcessor:
                 f"seed={params.seed} with n={params.n} is invalid: the n choices use seeds "
                 f"seed .. seed + n - 1, so seed must be <= 2**64 - n"
             )
+        if params.structured_outputs is not None:
+            # Rust with the GIL released; cached, so the core's compile of the same
+            # constraint in another process is the only other one
+            self.grammars.compile(params.structured_outputs)
 
     def check_length(self, ids: list[int]) -> None:
         if not ids:

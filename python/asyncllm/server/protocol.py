@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.server import protocol_structured
 from asyncllm.server.protocol_tools import MAX_TOOLS, ChatTool, ToolChoice
 
 _ERROR_TYPES = {
@@ -91,6 +92,16 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cache
+    # -- output constraints (protocol_structured) --
+    response_format: dict[str, Any] | None = None  # OpenAI's: json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar
+
+    def structured(self) -> Any:
+        """The request's StructuredOutputsParams, or None; a 400 if malformed."""
+        try:
+            return protocol_structured.from_body(self.response_format, self.structured_outputs)
+        except protocol_structured.FormatError as exc:
+            raise bad_request(str(exc), exc.param) from None
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -124,6 +135,7 @@ class _SamplingFields(BaseModel):
             "prompt_logprobs": prompt_logprobs,
             "output_kind": RequestOutputKind.DELTA,
             "cache_salt": self.cache_salt,
+            "structured_outputs": self.structured(),
         }
         for name in (
             "temperature",
@@ -178,12 +190,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         self.check_unsupported()
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -28,6 +28,7 @@ from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
 from asyncllm.worker.sampling_metadata import build_sampling_metadata
+from asyncllm.worker.structured import GrammarRows
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class ModelRunner:
         self._in_flight = InFlightTokens(config.max_num_seqs, self.device)
         self._defer_tokens = config.async_scheduling
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
+        # Set by the engine core: the matchers of constrained requests.
+        self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
         self.recorder: StepRecorder | None = None
 
@@ -94,6 +97,14 @@ class ModelRunner:
         meta = build_attention_metadata(
             q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device
         )
+        grammar = self.grammar_rows
+        masks = None
+        if grammar is not None and grammar.matchers:
+            # the rows sampled this step (as `done` below): their masks are filled
+            # on a helper thread while the model runs
+            sampling = (seq_lens == ib.num_tokens[rows]).tolist()
+            ids = [r for r, d in zip(req_ids, sampling, strict=True) if d]
+            masks = grammar.bitmask_async(ids) if ids else None
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(self.device)
         self._in_flight.feed(input_ids_t, tok_rows, pos)
         pos_t = torch.from_numpy(pos).to(self.device)
@@ -119,27 +130,34 @@ class ModelRunner:
         if rec is not None:
             t = rec.begin("sampling")
         sample_rows = rows[done]
-        idx = torch.from_numpy((cu - 1)[done]).to(self.device)
-        logits = self.model.compute_logits(hidden[idx])
-        md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
-        result = self.sampler(logits, md)
-        # the runner appends sampled tokens itself: the next step's inputs come
-        # from here (the token itself lands in `token_ids` when it reaches the host)
-        nt = ib.num_tokens[sample_rows]
-        ib.num_tokens[sample_rows] = nt + 1
         done_ids = (
             [r for r, d in zip(req_ids, done.tolist(), strict=True) if d]
             if n != len(sample_rows)
             else req_ids
         )
+        idx = torch.from_numpy((cu - 1)[done]).to(self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
+        if masks is not None:
+            md.allowed = masks.result()
+        result = self.sampler(logits, md)
+        # the runner appends sampled tokens itself: the next step's inputs come
+        # from here (the token itself lands in `token_ids` when it reaches the host)
+        nt = ib.num_tokens[sample_rows]
+        ib.num_tokens[sample_rows] = nt + 1
         resolve = self._in_flight.put(
             result.sampled, result.nonfinite, sample_rows, nt.astype(np.int64), done_ids
         )
-        if self._defer_tokens:
+        if self._defer_tokens and md.allowed is None:
             out.resolve = resolve
         else:
+            # constrained rows advance their matchers now: the next step's masks
+            # need the tokens on the host before its forward is queued
             out.sampled = resolve()
             self._in_flight.settle(ib)
+            if md.allowed is not None:
+                sampled = list(out.sampled.values())
+                grammar.advance(done_ids, sampled, md.allowed[0])  # type: ignore[union-attr]
         if result.logprob_ids is not None:
             self._collect_logprobs(out, result, done_ids, sample_rows)
         if rec is not None:
@@ -148,15 +166,22 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
+        grammar = self.grammar_rows
         for rid in so.finished_req_ids:
             self._remove(rid)
             self._prompt_logprobs.drop(rid)
+            if grammar is not None:
+                grammar.remove(rid)
         for rid in so.preempted_req_ids:
             self._remove(rid)
+            if grammar is not None:
+                grammar.remove(rid)
         for rid, block_ids in so.new_block_ids.items():
             ib.append_blocks(rid, block_ids)
         for new in so.new_reqs:
             ib.add(new)
+            if grammar is not None and new.grammar is not None:
+                grammar.add(new)
 
     def _remove(self, rid: int) -> None:
         row = self.input_batch.rows.get(rid)

@@ -32,6 +32,9 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     whose logits had no finite maximum (sampled as their argmax)."""
     logits = logits.float().contiguous()
     n = logits.shape[0]
+    if md.allowed is not None:  # tokens outside a row's grammar: -inf, in place
+        rows, bitmask = md.allowed
+        _core._apply_token_bitmask(logits.numpy(), bitmask, rows.tolist())
     width = 0 if md.max_num_logprobs is None else md.max_num_logprobs + 1
     sampled = torch.empty(n, dtype=torch.int64)
     ranks = torch.empty(n, dtype=torch.int64)

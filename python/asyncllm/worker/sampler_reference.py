@@ -65,6 +65,8 @@ class Penalties:
 def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Samples every row of `logits` [n, vocab] (any device) as `md` says."""
     raw = logits.float()
+    if md.allowed is not None:
+        raw = apply_token_bitmask(raw, *md.allowed)
     # NaN is never sampled, as in the kernel; masked unconditionally: asking
     # whether any is there would wait for the device before the draw is queued
     logits = masked_logits(raw, md).nan_to_num(nan=_NEG_INF, posinf=math.inf, neginf=_NEG_INF)
@@ -81,6 +83,22 @@ def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     out = SamplerOutput(sampled=sampled, nonfinite=unsampled)
     if md.max_num_logprobs is not None:
         gather_logprobs(out, raw, sampled, md.max_num_logprobs)
+    return out
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray
+) -> torch.Tensor:
+    """A copy of `logits` with -inf at every token row `rows[i]` may not take:
+    bit t % 32 of word t / 32 of `bitmask[i]` clear. One batched operation on the
+    logits' device."""
+    device = logits.device
+    bits = torch.from_numpy(bitmask).to(device)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    r = torch.from_numpy(rows).to(device)
+    out = logits.clone()
+    out[r] = out[r].masked_fill(~allowed, _NEG_INF)
     return out
 
 

@@ -38,6 +38,9 @@ class SamplingMetadata:
     # tokens each row may not sample yet (min_tokens); None when no row has any
     banned: TokenLists | None
     max_num_logprobs: int | None
+    # output constraints: (indices of the constrained rows [m] int64, their
+    # allowed-token bitmask [m, ceil(vocab / 32)] int32); None when no row has one
+    allowed: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_logprobs(self) -> np.ndarray:

@@ -44,6 +44,7 @@ fn request_a() -> AddRequest {
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
         cache_salt: None,
+        structured: None,
     }
 }
 
@@ -68,6 +69,10 @@ fn request_b() -> AddRequest {
         frequency_penalty: -0.5,
         presence_penalty: 2.0,
         cache_salt: Some("tenant-β".into()),
+        structured: Some(StructuredSpec {
+            kind: "choice".into(),
+            spec: r#"["yes","no"]"#.into(),
+        }),
     }
 }
 

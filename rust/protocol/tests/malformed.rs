@@ -13,7 +13,7 @@ fn frame(message_type: MessageType, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
     w.into_bytes()
 }
 
-/// The 19 fields of a valid AddRequest with prompt [1, 2, 3].
+/// The 20 fields of a valid AddRequest with prompt [1, 2, 3].
 fn add_request_fields() -> Vec<Field> {
     vec![
         Box::new(|w| w.uint(9)),
@@ -34,6 +34,7 @@ fn add_request_fields() -> Vec<Field> {
         Box::new(|w| w.f32(1.0)),
         Box::new(|w| w.f32(0.0)),
         Box::new(|w| w.f32(0.0)),
+        Box::new(|w| w.nil()),
         Box::new(|w| w.nil()),
     ]
 }
@@ -128,10 +129,10 @@ fn truncated_token_array_names_the_field() {
         err(&bytes[..2 + 1 + 3 + 1 + 3 + 20]),
         "truncated frame: AddRequests[0].prompt_token_ids needs 4096 bytes, 20 left"
     );
-    // Fewer bytes than the request's 19 fields could take fails at its header.
+    // Fewer bytes than the request's 20 fields could take fails at its header.
     assert_eq!(
         err(&bytes[..2 + 1 + 3 + 10]),
-        "truncated frame: AddRequests[0] needs 19 bytes, 10 left"
+        "truncated frame: AddRequests[0] needs 20 bytes, 10 left"
     );
 }
 
@@ -164,6 +165,41 @@ fn wrong_field_types() {
 }
 
 #[test]
+fn structured_specs_are_checked() {
+    let with = |kind: &str, spec: String| {
+        let kind = kind.to_string();
+        with_field(
+            19,
+            Box::new(move |w| {
+                w.array_len(2, "").unwrap();
+                w.str(&kind, "").unwrap();
+                w.str(&spec, "").unwrap();
+            }),
+        )
+    };
+    assert_eq!(
+        err(&with("xml", "{}".into())),
+        "malformed frame: AddRequests[0].structured: kind \"xml\" is not one of \
+         json, regex, choice, grammar, json_object"
+    );
+    assert_eq!(
+        err(&with("regex", "a".repeat(MAX_STRUCTURED_SPEC_BYTES + 1))),
+        format!(
+            "malformed frame: AddRequests[0].structured: spec of {} bytes is over the limit \
+             of {MAX_STRUCTURED_SPEC_BYTES}",
+            MAX_STRUCTURED_SPEC_BYTES + 1
+        )
+    );
+    assert!(decode(&with("regex", "a+".into())).is_ok());
+    let mut r = AddRequest::new(1, vec![1]);
+    r.structured = Some(StructuredSpec {
+        kind: "json".into(),
+        spec: "x".repeat(MAX_STRUCTURED_SPEC_BYTES + 1),
+    });
+    assert!(encode_add_requests([&r]).is_err());
+}
+
+#[test]
 fn ints_out_of_range() {
     assert_eq!(
         err(&with_field(3, Box::new(|w| w.int(1 << 40)))),
@@ -185,7 +221,7 @@ fn wrong_array_lengths() {
     fields.pop();
     assert_eq!(
         err(&add_requests_frame(&fields)),
-        "malformed frame: AddRequests[0]: expected an array of 19 fields, found 18"
+        "malformed frame: AddRequests[0]: expected an array of 20 fields, found 19"
     );
     assert_eq!(
         err(&frame(MessageType::Shutdown, |w| w

@@ -116,6 +116,10 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         frequency_penalty: rng.f32(),
         presence_penalty: rng.f32(),
         cache_salt: rng.opt(|r| r.string(20)),
+        structured: rng.opt(|r| StructuredSpec {
+            kind: STRUCTURED_KINDS[r.below(5) as usize].to_string(),
+            spec: r.string(40),
+        }),
     }
 }
 

@@ -38,6 +38,10 @@ fn edge_cases_round_trip() {
     max.max_tokens = u32::MAX;
     max.arrival_time = f64::MAX;
     max.cache_salt = Some("é".repeat(256));
+    max.structured = Some(StructuredSpec {
+        kind: "json".into(),
+        spec: "é".repeat(MAX_STRUCTURED_SPEC_BYTES / 2),
+    });
     let mut empty_salt = AddRequest::new(1, vec![1]);
     empty_salt.cache_salt = Some(String::new());
     let messages = [

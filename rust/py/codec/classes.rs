@@ -43,7 +43,8 @@ impl PyAddRequest {
         wire_id, prompt_token_ids, *, arrival_time=0.0, priority=0, max_tokens=16, min_tokens=0,
         temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop_token_ids=None,
         ignore_eos=false, logprobs=None, prompt_logprobs=None, repetition_penalty=1.0,
-        frequency_penalty=0.0, presence_penalty=0.0, cache_salt=None
+        frequency_penalty=0.0, presence_penalty=0.0, cache_salt=None,
+        structured_outputs=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -66,7 +67,17 @@ impl PyAddRequest {
         frequency_penalty: f32,
         presence_penalty: f32,
         cache_salt: Option<String>,
+        structured_outputs: Option<(String, String)>,
     ) -> PyResult<Self> {
+        let structured = match structured_outputs {
+            Some((kind, spec)) => {
+                let s = protocol::StructuredSpec { kind, spec };
+                s.check()
+                    .map_err(|e| wire_err(WireError::encode("AddRequest.structured_outputs", e)))?;
+                Some(s)
+            }
+            None => None,
+        };
         let prompt_token_ids =
             extract::u32s(prompt_token_ids, &|| "AddRequest.prompt_token_ids".into())
                 .map_err(wire_err)?;
@@ -96,6 +107,7 @@ impl PyAddRequest {
             frequency_penalty,
             presence_penalty,
             cache_salt,
+            structured,
         })))
     }
 
@@ -179,6 +191,14 @@ impl PyAddRequest {
     #[getter]
     fn cache_salt(&self) -> Option<&str> {
         self.0.cache_salt.as_deref()
+    }
+    /// (kind, spec) of the output constraint, or None.
+    #[getter]
+    fn structured_outputs(&self) -> Option<(&str, &str)> {
+        self.0
+            .structured
+            .as_ref()
+            .map(|s| (s.kind.as_str(), s.spec.as_str()))
     }
 
     /// Field-by-field equality, floats compared bit for bit (so NaN == NaN).

@@ -1,0 +1,198 @@
+"""Constrained decoding: what the allowed-token masks cost per step, against
+xgrammar computing the same kind of masks, and what constraints cost a whole
+engine.
+
+    python benches/bench_structured.py [--steps 64] [--repeats 5] [--quick]
+
+1. Masks alone (the llama-2 tokenizer, vocabulary 32,000): 64 and 256 streams,
+   all one JSON schema or the 30 test schemas mixed; per step one batched fill of
+   every stream's bitmask (asyncllm: `GrammarCompiler.fill_bitmasks`, llguidance,
+   GIL released, rows in parallel; xgrammar: `BatchGrammarMatcher`), then each
+   stream takes a random allowed token (its own draw) and advances. Reported: the
+   median over steps of the fill, in µs per step, and of the advance.
+2. The engine (the micro model, benches/models.py): tokens/s of 64 streams under
+   a JSON schema that runs to max_tokens against 64 unconstrained streams, and
+   the time the runner spends filling masks per step.
+3. Compile time of the 30 test schemas (p50, p99), fresh compiler cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from models import ASSETS, QUICK_HELP, build_model  # noqa: E402
+from structured_cases import SCHEMAS  # noqa: E402
+
+from asyncllm import _core  # noqa: E402
+
+VOCAB = 32_000
+EOS = 2
+ONE_SCHEMA = SCHEMAS[1]
+
+
+def pick(row: np.ndarray, rng: np.random.Generator, vocab: int) -> int:
+    """A random token whose bit is set in `row` (int32 words)."""
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]
+    allowed = np.flatnonzero(bits)
+    return int(rng.choice(allowed)) if len(allowed) else EOS
+
+
+def run_llguidance(compiler, schemas, n: int, steps: int, seed: int = 0):
+    grammars = [compiler.compile("json", json.dumps(s)) for s in schemas]
+    matchers = [grammars[i % len(grammars)].matcher() for i in range(n)]
+    out = np.zeros((n, compiler.words), dtype=np.int32)
+    rows = list(range(n))
+    rng = np.random.default_rng(seed)
+    fill, adv = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        compiler.fill_bitmasks(matchers, out, rows)
+        t1 = time.perf_counter()
+        tokens = [pick(out[i], rng, VOCAB) for i in range(n)]
+        t2 = time.perf_counter()
+        status = compiler.advance(matchers, tokens)
+        t3 = time.perf_counter()
+        fill.append(t1 - t0)
+        adv.append(t3 - t2)
+        for i, s in enumerate(status):  # finished streams start over
+            if s != _core.GRAMMAR_RUNNING:
+                matchers[i] = grammars[i % len(grammars)].matcher()
+    return statistics.median(fill) * 1e6, statistics.median(adv) * 1e6
+
+
+def run_xgrammar(xgr, info, schemas, n: int, steps: int, seed: int = 0):
+    compiler = xgr.GrammarCompiler(info)
+    compiled = [compiler.compile_json_schema(json.dumps(s), any_whitespace=False) for s in schemas]
+    matchers = [xgr.GrammarMatcher(compiled[i % len(compiled)]) for i in range(n)]
+    batch = xgr.BatchGrammarMatcher()
+    bitmask = xgr.allocate_token_bitmask(n, info.vocab_size)
+    rng = np.random.default_rng(seed)
+    fill, adv = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        t1 = time.perf_counter()
+        words = bitmask.numpy()
+        tokens = [pick(words[i], rng, VOCAB) for i in range(n)]
+        t2 = time.perf_counter()
+        xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        t3 = time.perf_counter()
+        fill.append(t1 - t0)
+        adv.append(t3 - t2)
+        for i, m in enumerate(matchers):
+            if m.is_terminated():
+                matchers[i] = xgr.GrammarMatcher(compiled[i % len(compiled)])
+    return statistics.median(fill) * 1e6, statistics.median(adv) * 1e6
+
+
+def masks(args, tokenizer_json: Path) -> None:
+    compiler = _core.GrammarCompiler(str(tokenizer_json), [EOS], VOCAB)
+    try:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=VOCAB, stop_token_ids=[EOS])
+    except ImportError:
+        xgr = None
+        print("xgrammar not installed (pip install asyncllm[bench]): no baseline")
+    print("mask fill per step, µs (median over steps; advance in parentheses)")
+    print(f"{'streams':>8} {'schemas':>8} {'asyncllm':>20} {'xgrammar':>20}")
+    for n in (64,) if args.quick else (64, 256):
+        for label, schemas in (("one", [ONE_SCHEMA]), ("mixed", SCHEMAS)):
+            ours = [
+                run_llguidance(compiler, schemas, n, args.steps, r) for r in range(args.repeats)
+            ]
+            f, a = (statistics.median(x) for x in zip(*ours, strict=True))
+            line = f"{n:>8} {label:>8} {f:>10.0f} ({a:>6.0f})"
+            if xgr is not None:
+                theirs = [
+                    run_xgrammar(xgr, info, schemas, n, args.steps, r) for r in range(args.repeats)
+                ]
+                xf, xa = (statistics.median(x) for x in zip(*theirs, strict=True))
+                line += f" {xf:>10.0f} ({xa:>6.0f})"
+            print(line, flush=True)
+
+
+def compile_times(tokenizer_json: Path) -> None:
+    compiler = _core.GrammarCompiler(str(tokenizer_json), [EOS], VOCAB)
+    times = []
+    for s in SCHEMAS:
+        t0 = time.perf_counter()
+        compiler.compile("json", json.dumps(s))
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+    print(
+        f"compile of the 30 test schemas: p50 {statistics.median(times):.2f} ms, p99 {p99:.2f} ms"
+    )
+
+
+def engine(args, model: Path) -> None:
+    from asyncllm import LLM, SamplingParams, StructuredOutputsParams
+    from asyncllm.worker import structured
+
+    spent: list[float] = []
+    original = structured.GrammarRows.bitmask
+
+    def timed(self, req_ids):
+        t0 = time.perf_counter()
+        r = original(self, req_ids)
+        spent.append(time.perf_counter() - t0)
+        return r
+
+    structured.GrammarRows.bitmask = timed  # type: ignore[method-assign]
+    n, max_tokens = 64, 16 if args.quick else 64
+    # runs to max_tokens: an array of many small integers
+    long_schema = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 200,
+    }
+    so = StructuredOutputsParams(json=long_schema)
+    prompts = [f"Numbers {i}:" for i in range(n)]
+    with LLM(str(model), multiprocess=False, max_num_seqs=n) as llm:
+        for label, s in (("unconstrained", None), ("json schema", so)) * args.repeats:
+            params = [
+                SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True, structured_outputs=s)
+                for i in range(n)
+            ]
+            spent.clear()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            toks = sum(len(o.outputs[0].token_ids) for o in outs)
+            mask = f", mask fill {statistics.median(spent) * 1e6:.0f} µs/step" if spent else ""
+            print(f"engine {label:>14}: {toks / dt:8.0f} tok/s ({toks} tokens, {dt:.2f} s){mask}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 8, 1
+    tokenizer_json = ASSETS / "tokenizers" / "llama-2" / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise SystemExit(f"tokenizer assets not found at {tokenizer_json} (set ASYNCLLM_ASSETS)")
+    compile_times(tokenizer_json)
+    masks(args, tokenizer_json)
+    with tempfile.TemporaryDirectory() as root:
+        engine(args, build_model("micro", root))
+
+
+if __name__ == "__main__":
+    main()

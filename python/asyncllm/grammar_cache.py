@@ -1,0 +1,71 @@
+"""Compiled output constraints, cached by (kind, spec): a leaf module that the
+front end (to reject a bad schema, regex or grammar before it reaches the core)
+and the engine core (to compile once per request, off the busy loop) both use.
+
+The compiler (llguidance, in the Rust extension) walks the whole vocabulary when
+it is built, so it is built on the first constrained request, not at start-up;
+compiling then runs with the GIL released.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from asyncllm import _core
+from asyncllm.errors import InvalidRequestError
+from asyncllm.structured_outputs import StructuredOutputsParams
+
+# Compiled grammars kept (least recently used dropped first); each is small next
+# to a model, and a service usually sends a handful of schemas over and over.
+MAX_CACHED_GRAMMARS = 512
+
+
+class GrammarCache:
+    """Thread-safe: the core's input thread compiles while the runner reads."""
+
+    def __init__(self, tokenizer_json: str | Path, eos_token_ids: list[int], vocab_size: int):
+        self.tokenizer_json = str(tokenizer_json)
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._compiler: _core.GrammarCompiler | None = None
+        self._grammars: OrderedDict[tuple[str, str], _core.Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> _core.GrammarCompiler:
+        """The compiler, built on first use (raises InvalidRequestError if the
+        tokenizer cannot carry constraints, e.g. without an EOS token)."""
+        if self._compiler is None:
+            with self._lock:
+                if self._compiler is None:
+                    try:
+                        self._compiler = _core.GrammarCompiler(
+                            self.tokenizer_json, self.eos_token_ids, self.vocab_size
+                        )
+                    except ValueError as e:
+                        raise InvalidRequestError(
+                            f"structured outputs are not available for this model: {e}"
+                        ) from None
+        return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> _core.Grammar:
+        """The compiled grammar of `params`; raises InvalidRequestError naming
+        what is wrong with it."""
+        key = (params.kind, params.spec())
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
+        compiler = self.compiler
+        try:
+            grammar = compiler.compile(*key)  # the GIL is released meanwhile
+        except ValueError as e:
+            raise InvalidRequestError(f"structured_outputs: {e}") from None
+        with self._lock:
+            self._grammars[key] = grammar
+            if len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return grammar

@@ -1,0 +1,277 @@
+//! Constrained decoding: a request's constraint (JSON schema, regex, choice
+//! list, Lark grammar, any JSON object) compiled by llguidance into a grammar,
+//! a matcher per request walking it token by token, and the two batched
+//! operations of a step: the allowed-token bitmask of every constrained row,
+//! and the advance of every matcher by its sampled token. Pure Rust: the
+//! bindings in `py::structured` release the GIL around all of it.
+//!
+//! Bitmask layout (as vLLM's and xgrammar's): per row `words` u32, token `t`
+//! allowed iff bit `t % 32` of word `t / 32` is set.
+
+mod vocab;
+
+#[cfg(test)]
+mod tests;
+
+use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::{Matcher, ParserFactory};
+use rayon::prelude::*;
+use serde_json::Value;
+use thiserror::Error;
+use tokenizers::Tokenizer;
+use toktrie::{InferenceCapabilities, TokEnv};
+
+/// Why a constraint could not be compiled or a matcher could not be used.
+#[derive(Debug, Error)]
+pub enum StructuredError {
+    #[error("cannot build the token trie: {0}")]
+    Tokenizer(String),
+    #[error("unknown constraint kind {0:?}: expected json, regex, choice, grammar or json_object")]
+    Kind(String),
+    #[error("invalid {kind}: {msg}")]
+    Invalid { kind: &'static str, msg: String },
+}
+
+/// Bounds on what compiling one constraint and computing one mask may cost
+/// (llguidance counts "fuel" and items, which track time, rather than clocks).
+fn limits() -> ParserLimits {
+    ParserLimits {
+        // symbols in the grammar's productions: a few MB of JSON schema
+        max_grammar_size: 200_000,
+        // regex AST nodes built for the lexer at compile time (~20 ms)
+        initial_lexer_fuel: 1_000_000,
+        // per mask: lexer work (~15 ms) and Earley items (~2.5 ms)
+        step_lexer_fuel: 200_000,
+        step_max_items: 50_000,
+        max_lexer_states: 250_000,
+        // errors name the problem, not the whole grammar and parser state
+        verbose_errors: false,
+        ..ParserLimits::default()
+    }
+}
+
+/// Compiles constraints for one tokenizer; built once per engine.
+pub struct Compiler {
+    factory: ParserFactory,
+    vocab_size: usize,
+}
+
+/// A compiled constraint: a matcher at its start, cloned for each request.
+pub struct Grammar {
+    start: Matcher,
+}
+
+impl Grammar {
+    /// A fresh matcher at the start of this grammar. Its parser state is its own;
+    /// the lexer's lazily built automaton is shared with every other matcher of
+    /// this grammar (llguidance's plain `clone`), so it is built once, not per
+    /// request.
+    pub fn matcher(&self) -> Matcher {
+        self.start.clone()
+    }
+}
+
+/// What a matcher's state is after an advance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    /// More tokens may follow.
+    Running = 0,
+    /// The grammar ended (EOS consumed, or nothing but EOS can follow).
+    Complete = 1,
+    /// The token was not allowed or the parser failed; see the matcher's error.
+    Error = 2,
+}
+
+impl Compiler {
+    /// The compiler for `tokenizer` whose model has `vocab_size` logits, `eos`
+    /// being the tokens that end a generation (allowed where a grammar ends).
+    pub fn new(
+        tokenizer: Tokenizer,
+        eos: &[u32],
+        vocab_size: usize,
+    ) -> Result<Self, StructuredError> {
+        let env: TokEnv = vocab::tok_env(tokenizer, eos, vocab_size)?;
+        let mut factory = ParserFactory::new(
+            &env,
+            InferenceCapabilities::default(),
+            &llguidance::earley::SlicedBiasComputer::general_slices(),
+        )
+        .map_err(|e| StructuredError::Tokenizer(e.to_string()))?;
+        factory.quiet();
+        *factory.limits_mut() = limits();
+        Ok(Compiler {
+            factory,
+            vocab_size,
+        })
+    }
+
+    /// From a `tokenizer.json` file.
+    pub fn from_file(path: &str, eos: &[u32], vocab_size: usize) -> Result<Self, StructuredError> {
+        let tokenizer = Tokenizer::from_file(path)
+            .map_err(|e| StructuredError::Tokenizer(format!("{path}: {e}")))?;
+        Self::new(tokenizer, eos, vocab_size)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The bitmask row allowing only the EOS tokens.
+    pub fn eos_row(&self) -> Vec<u32> {
+        let trie = self.factory.tok_env().tok_trie();
+        let mut row = vec![0u32; self.words()];
+        for &t in trie.eos_tokens() {
+            row[t as usize / 32] |= 1 << (t % 32);
+        }
+        row
+    }
+
+    /// u32 words per bitmask row.
+    pub fn words(&self) -> usize {
+        self.vocab_size.div_ceil(32)
+    }
+
+    /// Compiles one constraint. `kind` and `spec` are `StructuredOutputsParams`'s
+    /// `kind` and `spec()`: a JSON schema as text, a regex, a JSON list of
+    /// strings, a Lark grammar, or "" for any JSON object.
+    pub fn compile(&self, kind: &str, spec: &str) -> Result<Grammar, StructuredError> {
+        let (kind, top) = match kind {
+            "json" => ("JSON schema", json_schema(parse_json("JSON schema", spec)?)),
+            "json_object" => (
+                "JSON object",
+                json_schema(serde_json::json!({"type": "object"})),
+            ),
+            "regex" => ("regex", TopLevelGrammar::from_regex(spec)),
+            "choice" => ("choice", choice(spec)?),
+            "grammar" => ("grammar", TopLevelGrammar::from_lark(spec.to_string())),
+            other => return Err(StructuredError::Kind(other.to_string())),
+        };
+        let invalid = |msg: String| StructuredError::Invalid { kind, msg };
+        // Building the parser compiles the grammar and its lexer; a bad schema,
+        // regex or grammar, or one past the limits, fails here.
+        let parser = self
+            .factory
+            .create_parser(top)
+            .map_err(|e| invalid(e.to_string()))?;
+        let start = Matcher::new(Ok(parser));
+        if let Some(e) = start.get_error() {
+            return Err(invalid(e));
+        }
+        Ok(Grammar { start })
+    }
+}
+
+fn parse_json(kind: &'static str, spec: &str) -> Result<Value, StructuredError> {
+    serde_json::from_str(spec).map_err(|e| StructuredError::Invalid {
+        kind,
+        msg: format!("not valid JSON: {e}"),
+    })
+}
+
+/// A JSON-schema grammar, compact (no free whitespace between tokens) unless the
+/// schema's own `x-guidance` options say otherwise: free whitespace lets a model
+/// pad forever, and compact JSON is what a client parses anyway.
+fn json_schema(mut schema: Value) -> TopLevelGrammar {
+    if let Value::Object(map) = &mut schema {
+        map.entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+    }
+    TopLevelGrammar::from_json_schema(schema)
+}
+
+/// Exactly one of the strings: an alternation of escaped literals.
+fn choice(spec: &str) -> Result<TopLevelGrammar, StructuredError> {
+    let invalid = |msg: String| StructuredError::Invalid {
+        kind: "choice",
+        msg,
+    };
+    let choices: Vec<String> = serde_json::from_str(spec)
+        .map_err(|e| invalid(format!("not a JSON list of strings: {e}")))?;
+    if choices.is_empty() || choices.iter().any(String::is_empty) {
+        return Err(invalid("needs at least one choice, none empty".into()));
+    }
+    let alternatives: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
+    Ok(TopLevelGrammar::from_regex(&format!(
+        "(?:{})",
+        alternatives.join("|")
+    )))
+}
+
+/// Rows at least this many are filled in parallel; fewer cost less on one thread.
+const PARALLEL_ROWS: usize = 8;
+
+/// Fills `rows[i]` (one bitmask row each, `eos_row.len()` words) with the
+/// tokens `matchers[i]` allows next: EOS only where the grammar has ended, and
+/// EOS only too where the matcher failed (so the request ends; its status says
+/// why). Returns per row whether the matcher is in error. `eos_row` is
+/// `Compiler::eos_row`.
+pub fn fill_masks(
+    matchers: &mut [&mut Matcher],
+    rows: &mut [&mut [u32]],
+    eos_row: &[u32],
+) -> Vec<bool> {
+    assert_eq!(matchers.len(), rows.len(), "one bitmask row per matcher");
+    let words = eos_row.len();
+    let fill = |(m, row): (&mut &mut Matcher, &mut &mut [u32])| -> bool {
+        assert_eq!(row.len(), words, "bitmask row width");
+        match m.compute_mask_or_eos() {
+            Ok(mask) => {
+                let src = mask.as_slice();
+                let n = src.len().min(words);
+                row[..n].copy_from_slice(&src[..n]);
+                row[n..].fill(0);
+                false
+            }
+            Err(_) => {
+                row.copy_from_slice(eos_row);
+                true
+            }
+        }
+    };
+    if matchers.len() >= PARALLEL_ROWS {
+        matchers
+            .par_iter_mut()
+            .zip(rows.par_iter_mut())
+            .map(fill)
+            .collect()
+    } else {
+        matchers.iter_mut().zip(rows.iter_mut()).map(fill).collect()
+    }
+}
+
+/// Advances `matchers[i]` by `tokens[i]`.
+pub fn advance(matchers: &mut [&mut Matcher], tokens: &[u32]) -> Vec<Status> {
+    assert_eq!(matchers.len(), tokens.len(), "one token per matcher");
+    matchers
+        .iter_mut()
+        .zip(tokens)
+        .map(|(m, &t)| consume(m, &[t]))
+        .collect()
+}
+
+/// Consumes `tokens` (e.g. a resumed request's outputs so far).
+pub fn consume(m: &mut Matcher, tokens: &[u32]) -> Status {
+    if m.is_error() {
+        return Status::Error;
+    }
+    for &t in tokens {
+        if m.is_stopped() {
+            break; // the EOS after the end of the grammar, or anything past it
+        }
+        if m.consume_token(t).is_err() {
+            return Status::Error;
+        }
+    }
+    status(m)
+}
+
+pub fn status(m: &Matcher) -> Status {
+    if m.is_error() {
+        Status::Error
+    } else if m.is_stopped() {
+        Status::Complete
+    } else {
+        Status::Running
+    }
+}

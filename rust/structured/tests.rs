@@ -1,0 +1,183 @@
+//! Constrained decoding against the shipped asyncllm-tiny tokenizer (always
+//! present) and, where the assets are, real tokenizers of other families.
+
+use std::path::PathBuf;
+
+use super::*;
+
+fn tiny() -> Compiler {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python/asyncllm/default_model/asyncllm-tiny/tokenizer.json");
+    let tok = Tokenizer::from_file(&path).expect("tokenizer loads");
+    let eos = tok.token_to_id("<|eos|>").expect("eos token");
+    Compiler::new(tok, &[eos], 8192).expect("compiler")
+}
+
+fn allowed(row: &[u32], t: u32) -> bool {
+    row[t as usize / 32] >> (t % 32) & 1 == 1
+}
+
+/// Walks `m` greedily by the lowest allowed token (deterministic), returning the
+/// text it spelt and whether the grammar completed within `max` tokens.
+fn walk(c: &Compiler, m: &mut Matcher, max: usize) -> (String, bool) {
+    let words = c.words();
+    let eos = c.eos_row();
+    let trie = c.factory.tok_env().tok_trie().clone();
+    let mut row = vec![0u32; words];
+    let mut out = Vec::new();
+    for _ in 0..max {
+        let failed = fill_masks(&mut [&mut *m], &mut [&mut row[..]], &eos);
+        assert_eq!(failed, vec![false]);
+        // prefer a non-EOS token so the walk explores the grammar
+        let eos_tokens = trie.eos_tokens().to_vec();
+        let pick = (0..c.vocab_size() as u32)
+            .filter(|&t| allowed(&row, t))
+            .find(|t| !eos_tokens.contains(t))
+            .or_else(|| eos_tokens.first().copied().filter(|&t| allowed(&row, t)))
+            .expect("some token allowed");
+        let st = advance(&mut [&mut *m], &[pick])[0];
+        if !eos_tokens.contains(&pick) {
+            out.extend_from_slice(trie.token(pick));
+        }
+        assert_ne!(st, Status::Error);
+        if st == Status::Complete {
+            return (String::from_utf8_lossy(&out).into_owned(), true);
+        }
+    }
+    (String::from_utf8_lossy(&out).into_owned(), false)
+}
+
+#[test]
+fn choice_spells_one_choice_then_only_eos() {
+    let c = tiny();
+    let g = c.compile("choice", r#"["yes","no"]"#).unwrap();
+    let mut m = g.matcher();
+    let (text, done) = walk(&c, &mut m, 20);
+    assert!(done);
+    assert!(text == "yes" || text == "no", "{text:?}");
+}
+
+#[test]
+fn regex_output_full_matches() {
+    let c = tiny();
+    let g = c.compile("regex", "[0-9]{3}-[a-c]{2}").unwrap();
+    let (text, done) = walk(&c, &mut g.matcher(), 20);
+    assert!(done);
+    let b = text.as_bytes();
+    assert_eq!(b.len(), 6, "{text:?}");
+    assert!(
+        b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-',
+        "{text:?}"
+    );
+}
+
+#[test]
+fn json_schema_is_compact_and_parses() {
+    let c = tiny();
+    let schema = r#"{"type":"object","properties":{"a":{"type":"integer","minimum":0,"maximum":9},
+        "b":{"enum":["x","y"]}},"required":["a","b"],"additionalProperties":false}"#;
+    let g = c.compile("json", schema).unwrap();
+    let (text, done) = walk(&c, &mut g.matcher(), 40);
+    assert!(done, "{text:?}");
+    let v: Value = serde_json::from_str(&text).expect("valid JSON");
+    assert!(v["a"].as_i64().unwrap() <= 9);
+    assert!(!text.contains(' '), "compact: {text:?}");
+}
+
+#[test]
+fn lark_grammar_and_eos_only_where_it_can_end() {
+    let c = tiny();
+    let g = c.compile("grammar", "start: \"ab\" \"c\"?").unwrap();
+    let mut m = g.matcher();
+    let words = c.words();
+    let eos = c.eos_row();
+    let eos_id = c.factory.tok_env().tok_trie().eos_token();
+    let mut row = vec![0u32; words];
+    fill_masks(&mut [&mut m], &mut [&mut row[..]], &eos);
+    assert!(!allowed(&row, eos_id), "EOS before the grammar can end");
+    let ab = c.factory.tok_env().tokenize("ab");
+    assert_eq!(consume(&mut m, &ab), Status::Running);
+    fill_masks(&mut [&mut m], &mut [&mut row[..]], &eos);
+    assert!(allowed(&row, eos_id), "EOS where the grammar can end");
+    assert_eq!(advance(&mut [&mut m], &[eos_id]), vec![Status::Complete]);
+}
+
+#[test]
+fn disallowed_token_is_an_error_and_masks_eos_only() {
+    let c = tiny();
+    let g = c.compile("regex", "a+").unwrap();
+    let mut m = g.matcher();
+    let z = c.factory.tok_env().tokenize("z")[0];
+    assert_eq!(advance(&mut [&mut m], &[z]), vec![Status::Error]);
+    let words = c.words();
+    let mut row = vec![0u32; words];
+    let failed = fill_masks(&mut [&mut m], &mut [&mut row[..]], &c.eos_row());
+    assert_eq!(failed, vec![true]);
+    assert_eq!(row, c.eos_row());
+}
+
+#[test]
+fn bad_inputs_name_the_problem() {
+    let c = tiny();
+    let msg = |k: &str, s: &str| c.compile(k, s).err().expect("must fail").to_string();
+    assert!(msg("regex", "(unclosed").starts_with("invalid regex"));
+    assert!(msg("json", "{not json").contains("not valid JSON"));
+    assert!(msg("json", r#"{"type":"nonsense"}"#).starts_with("invalid JSON schema"));
+    assert!(msg("grammar", "start: undefined_rule").starts_with("invalid grammar"));
+    assert!(msg("choice", "[]").starts_with("invalid choice"));
+    assert!(msg("xml", "").contains("unknown constraint kind"));
+}
+
+#[test]
+fn many_rows_in_parallel_match_one_by_one() {
+    let c = tiny();
+    let g = c
+        .compile(
+            "json",
+            r#"{"type":"array","items":{"type":"integer"},"maxItems":3}"#,
+        )
+        .unwrap();
+    let words = c.words();
+    let eos = c.eos_row();
+    let mut ms: Vec<Matcher> = (0..16).map(|_| g.matcher()).collect();
+    let tok = c.factory.tok_env().tokenize("[1,");
+    for (i, m) in ms.iter_mut().enumerate() {
+        if i % 2 == 1 {
+            consume(m, &tok);
+        }
+    }
+    let mut batch = vec![0u32; 16 * words];
+    let mut refs: Vec<&mut Matcher> = ms.iter_mut().collect();
+    let mut rows: Vec<&mut [u32]> = batch.chunks_mut(words).collect();
+    fill_masks(&mut refs, &mut rows, &eos);
+    for (i, m) in ms.iter_mut().enumerate() {
+        let mut row = vec![0u32; words];
+        fill_masks(&mut [m], &mut [&mut row[..]], &eos);
+        assert_eq!(&batch[i * words..(i + 1) * words], &row[..], "row {i}");
+    }
+}
+
+#[test]
+fn real_tokenizers_build_and_constrain() {
+    let dir = std::env::var_os("ASYNCLLM_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/assets"))
+        .join("tokenizers");
+    for (name, eos) in [("qwen2.5", "<|endoftext|>"), ("llama-2", "</s>")] {
+        let path = dir.join(name).join("tokenizer.json");
+        if !path.is_file() {
+            eprintln!("skipping {name}: no assets at {}", path.display());
+            continue;
+        }
+        let tok = Tokenizer::from_file(&path).unwrap();
+        let eos = tok.token_to_id(eos).unwrap();
+        let vocab = tok.get_vocab_size(true);
+        let c = Compiler::new(tok, &[eos], vocab.div_ceil(64) * 64).unwrap();
+        let g = c.compile("choice", r#"["alpha beta","gamma"]"#).unwrap();
+        let (text, done) = walk(&c, &mut g.matcher(), 30);
+        assert!(
+            done && (text == "alpha beta" || text == "gamma"),
+            "{name}: {text:?}"
+        );
+    }
+}
