@@ -11,7 +11,9 @@ pub(crate) mod team;
 #[cfg(test)]
 mod tests;
 
-pub use paged_attention::{paged_decode_attention, BlockIndex, DecodeShape, KvCache};
+pub use paged_attention::{
+    paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape, KvCache,
+};
 
 /// An argument a kernel cannot work with. Every check runs before any output is
 /// written, so on error the output buffer is untouched.

@@ -206,6 +206,38 @@ pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex>(
         num_threads,
         out,
         Isa::detect(),
+        0,
+    )
+}
+
+/// `paged_decode_attention` over each sequence's last `window` tokens only
+/// (positions `seq_lens[b] - window .. seq_lens[b]`, or all when `window` is 0
+/// or at least `seq_lens[b]`): sliding-window layers. The blocks before the
+/// window are not read.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_windowed<T: BlockIndex, L: BlockIndex>(
+    shape: &DecodeShape,
+    q: &[f32],
+    kv_cache: KvCache<'_>,
+    block_tables: &[T],
+    seq_lens: &[L],
+    scale: f32,
+    window: usize,
+    num_threads: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let isa = Isa::detect();
+    run(
+        shape,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        num_threads,
+        out,
+        isa,
+        window,
     )
 }
 
@@ -222,11 +254,12 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex>(
     num_threads: usize,
     out: &mut [f32],
     isa: Isa,
+    window: usize,
 ) -> Result<(), KernelError> {
     if num_threads == 0 {
         return Err(shape_err("num_threads must be at least 1".into()));
     }
-    let job = Job::new(
+    let mut job = Job::new(
         shape,
         q,
         kv_cache,
@@ -236,6 +269,7 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex>(
         out.len(),
         num_threads,
     )?;
+    job.window = window;
     let heads = job.heads_per_item;
     let chunk = heads * job.group * shape.head_dim;
     let num_items = shape.num_seqs * shape.num_kv_heads / heads;
@@ -302,6 +336,8 @@ struct Job<'a, T> {
     block_stride: usize,
     /// KV heads per work item (a divisor of num_kv_heads).
     heads_per_item: usize,
+    /// Tokens attended to at the end of each sequence (0: all).
+    window: usize,
 }
 
 impl<'a, T: BlockIndex> Job<'a, T> {
@@ -375,6 +411,7 @@ impl<'a, T: BlockIndex> Job<'a, T> {
             token_stride,
             block_stride: bs * token_stride,
             heads_per_item: heads_per_item(shape, num_threads),
+            window: 0,
         })
     }
 }
@@ -465,8 +502,15 @@ fn attend<const AVX2: bool, T: BlockIndex>(
     s.sum.fill(0.0);
     // In range: `Job::new` checked every block id this call reads.
     let base_of = |block: &T| block.to_i64() as usize * job.block_stride + first_head * d;
-    for (j, block) in table.iter().enumerate() {
+    // Sliding window: the first position read; blocks before it are skipped.
+    let first = if job.window > 0 {
+        len.saturating_sub(job.window)
+    } else {
+        0
+    };
+    for (j, block) in table.iter().enumerate().skip(first / bs) {
         let n = bs.min(len - j * bs);
+        let t0 = if j == first / bs { first % bs } else { 0 };
         let base = base_of(block);
         if let Some(next) = table.get(j + 1) {
             let next = base_of(next);
@@ -479,14 +523,14 @@ fn attend<const AVX2: bool, T: BlockIndex>(
             let q = &q[h * group * d..][..group * d];
             let out = &mut out[h * group * d..][..group * d];
             let (max, sum) = (&mut s.max[h * group..], &mut s.sum[h * group..]);
-            for t in 0..n {
+            for t in t0..n {
                 let key = job.k.row(base + t * ts + h * d, d);
                 for (g, qg) in q.chunks_exact(d).enumerate() {
                     s.scores[g * bs + t] = dot::<AVX2>(qg, key) * job.scale;
                 }
             }
             for (g, out) in out.chunks_exact_mut(d).enumerate() {
-                let row = &mut s.scores[g * bs..][..n];
+                let row = &mut s.scores[g * bs + t0..g * bs + n];
                 let block_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                 if block_max > max[g] {
                     if max[g] != f32::NEG_INFINITY {
@@ -498,7 +542,7 @@ fn attend<const AVX2: bool, T: BlockIndex>(
                 }
                 sum[g] += exp_shifted_sum::<AVX2>(row, max[g]);
             }
-            for t in 0..n {
+            for t in t0..n {
                 let value = job.v.row(base + t * ts + h * d, d);
                 for (g, out) in out.chunks_exact_mut(d).enumerate() {
                     axpy::<AVX2>(s.scores[g * bs + t], value, out);

@@ -101,7 +101,10 @@ pub(super) fn byte_range<T: Element>(buf: &PyBuffer<T>) -> (usize, usize) {
 /// writes `kv_cache` or touches `out` meanwhile. q, the block tables and the
 /// lengths are small and copied first, so they need no such promise, and the
 /// block ids the kernel checks are the ones it uses.
+/// `window` > 0: each sequence attends to its last `window` tokens only
+/// (sliding-window layers); 0: to all of them.
 #[pyfunction(name = "_paged_decode_attention")]
+#[pyo3(signature = (out, q, kv_cache, block_tables, seq_lens, scale, num_threads, window=0))]
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
 fn paged_decode_attention(
     py: Python<'_>,
@@ -112,6 +115,7 @@ fn paged_decode_attention(
     seq_lens: &Bound<'_, PyAny>,
     scale: f32,
     num_threads: usize,
+    window: usize,
 ) -> PyResult<()> {
     let out = buffer::<f32>(out, "out", "float32", 2)?;
     let q = buffer::<f32>(q, "q", "float32", 3)?;
@@ -172,11 +176,12 @@ fn paged_decode_attention(
     // the call: the sole caller passes a tensor it has just allocated and
     // shares with no other thread.
     let out = unsafe { std::slice::from_raw_parts_mut(data_ptr(&out), out.item_count()) };
+    let w = (scale, window, num_threads);
     let result = match (&tables, &lens) {
-        (Ints::I64(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
-        (Ints::I64(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, scale, num_threads, out),
+        (Ints::I64(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, w, out),
+        (Ints::I64(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, w, out),
+        (Ints::I32(t), Ints::I64(l)) => run(py, &shape, &q, kv, t, l, w, out),
+        (Ints::I32(t), Ints::I32(l)) => run(py, &shape, &q, kv, t, l, w, out),
     };
     result.map_err(|e| Error::from(e).into())
 }
@@ -189,12 +194,21 @@ fn run<T: BlockIndex, L: BlockIndex>(
     kv_cache: KvCache<'_>,
     tables: &[T],
     lens: &[L],
-    scale: f32,
-    num_threads: usize,
+    (scale, window, num_threads): (f32, usize, usize),
     out: &mut [f32],
 ) -> Result<(), kernels::KernelError> {
     py.detach(|| {
-        kernels::paged_decode_attention(shape, q, kv_cache, tables, lens, scale, num_threads, out)
+        kernels::paged_decode_attention_windowed(
+            shape,
+            q,
+            kv_cache,
+            tables,
+            lens,
+            scale,
+            window,
+            num_threads,
+            out,
+        )
     })
 }
 

@@ -19,6 +19,7 @@ from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
+from asyncllm.models.hf_config import kv_window
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
@@ -55,7 +56,10 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=kv_window(hf_config),
         )
         # Requests admitted but without an output yet: their prefix-cache hits go
         # out with their first output (see `_first_output_hits`).

@@ -357,8 +357,9 @@ def _decode_attention_ext(
     """Decodes of a sliding-window or soft-capped layer. The Rust kernel reads only
     the window; soft-capping runs on the torch path."""
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-    if softcap is None and window is None and can_use_native_decode(q, kv_cache):
-        return _native_decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    if softcap is None and can_use_native_decode(q, kv_cache):
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        return _native_decode(q, kv_cache, tables, lens, scale, window or 0)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     for group in meta.decode_groups:
         part = q if group.rows is None else q.index_select(0, group.rows)
@@ -375,6 +376,7 @@ def _native_decode(
     tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The Rust kernel, on zero-copy numpy views of the tensors; it releases the GIL
     and splits the (sequence, KV head) pairs over torch's threads (its OpenMP team,
@@ -392,6 +394,7 @@ def _native_decode(
         seq_lens.numpy(),
         scale,
         torch.get_num_threads(),
+        window,
     )
     return out
 

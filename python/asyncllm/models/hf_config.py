@@ -181,3 +181,35 @@ def load_hf_config(model_dir: str | Path) -> SimpleNamespace:
         if not isinstance(values[key], int) or values[key] < 1:
             raise ModelLoadError(f"{config_file}: {key}={values[key]!r} must be a positive int")
     return SimpleNamespace(**values)
+
+
+def layer_windows(cfg: Any) -> list[int | None]:
+    """Each layer's sliding window (None: global attention), as transformers reads
+    the config: `layer_types` where given, else Mistral's `sliding_window` on every
+    layer, or Qwen2's `use_sliding_window` from layer `max_window_layers` on."""
+    num_layers = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return [None] * num_layers
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    pattern = getattr(cfg, "sliding_window_pattern", None)
+    if isinstance(pattern, int) and pattern > 0:  # Gemma configs without layer_types
+        return [window if (i + 1) % pattern else None for i in range(num_layers)]
+    if not getattr(cfg, "use_sliding_window", True):
+        return [None] * num_layers
+    first = getattr(cfg, "max_window_layers", None)
+    if first is None or "Mistral" in str(getattr(cfg, "architectures", None) or ""):
+        first = 0
+    return [window if i >= first else None for i in range(num_layers)]
+
+
+def kv_window(hf_config: Any) -> int | None:
+    """The window past which no layer reads a KV block again, when every layer is a
+    sliding-window one (the KV-cache manager then frees blocks that left it); None
+    when any layer attends globally: it needs every block to the end."""
+    windows = layer_windows(hf_config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.models.attention import AttentionMetadata, paged_attention
+from asyncllm.models.hf_config import layer_windows
 from asyncllm.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -239,25 +240,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 def _num_kv_heads(cfg: Any) -> int:
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-
-
-def layer_windows(cfg: Any) -> list[int | None]:
-    """Each layer's sliding window (None: global attention), as transformers reads
-    the config: `layer_types` where given, else Mistral's `sliding_window` on every
-    layer, or Qwen2's `use_sliding_window` from layer `max_window_layers` on."""
-    num_layers = int(cfg.num_hidden_layers)
-    window = getattr(cfg, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0:
-        return [None] * num_layers
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [window if t == "sliding_attention" else None for t in types]
-    pattern = getattr(cfg, "sliding_window_pattern", None)
-    if isinstance(pattern, int) and pattern > 0:  # Gemma configs without layer_types
-        return [window if (i + 1) % pattern else None for i in range(num_layers)]
-    if not getattr(cfg, "use_sliding_window", True):
-        return [None] * num_layers
-    first = getattr(cfg, "max_window_layers", None)
-    if first is None or "Mistral" in str(getattr(cfg, "architectures", None) or ""):
-        first = 0
-    return [window if i >= first else None for i in range(num_layers)]
