@@ -104,10 +104,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def make_family_model(path: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
-    """Save a tiny random-weight `family` model with the llama-2 tokenizer. Norm
-    weights are perturbed too (transformers initialises them to a constant, which
-    would hide a norm applied in the wrong place)."""
+def make_family_model(
+    path: Path,
+    family: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save a tiny random-weight `family` model with the llama-2 tokenizer, its
+    weights in `dtype`, sharded when `max_shard_size` is given. Norm weights are
+    perturbed too (transformers initialises them to a constant, which would hide a
+    norm applied in the wrong place)."""
     model_name, config_name, family_overrides = FAMILIES[family]
     path.mkdir(parents=True, exist_ok=True)
     tok_dir = tokenizer_dir("llama-2")
@@ -127,7 +135,8 @@ def make_family_model(path: Path, family: str, seed: int = 0, **overrides: Any) 
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn(param.shape, generator=gen) * 0.2)
-    model.save_pretrained(path)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.to(dtype).save_pretrained(path, **kwargs)
     if (tok_dir / "generation_config.json").is_file():  # save_pretrained wrote its own
         shutil.copy(tok_dir / "generation_config.json", path / "generation_config.json")
     return path
@@ -232,3 +241,39 @@ def test_bf16_close_to_transformers_bf16(family_dir: Path) -> None:
     got = torch.cat([logits for work in steps for logits in driver.step(tokens, work)])
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() <= BF16_ATOL * max(scale, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "tied"),
+    [("qwen3", torch.bfloat16, True), ("phi3", torch.float16, False)],
+    ids=["qwen3-bf16-tied", "phi3-fp16-untied"],
+)
+def test_half_sharded_checkpoints_load(
+    tmp_path: Path, family: str, dtype: torch.dtype, tied: bool
+) -> None:
+    """A bf16 / fp16 checkpoint in shards (with an index) loads into an fp32 model
+    equal to transformers loading the same files; tied embeddings read no lm_head."""
+    path = make_family_model(
+        tmp_path / "m", family, dtype=dtype, max_shard_size="2MB", tie_word_embeddings=tied
+    )
+    assert (path / "model.safetensors.index.json").is_file()
+    hf_config = load_hf_config(path)
+    assert hf_config.tie_word_embeddings is tied
+    ours = load_model(path, hf_config, torch.float32, torch.device("cpu"))
+    assert (ours.lm_head is None) is tied
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    _check_schedule(ours, ref, SCHEDULE)
+
+
+def test_unknown_architecture_lists_every_family(tmp_path: Path) -> None:
+    from asyncllm.errors import ModelLoadError
+
+    path = make_family_model(tmp_path / "m", "qwen3")
+    config = path / "config.json"
+    config.write_text(config.read_text().replace("Qwen3ForCausalLM", "FalconForCausalLM"))
+    with pytest.raises(ModelLoadError, match="FalconForCausalLM") as err:
+        load_hf_config(path)
+    for arch in {name for name, _, _ in FAMILIES.values()}:
+        assert arch in str(err.value)
