@@ -147,6 +147,21 @@ def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return make_family_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
+@pytest.fixture(scope="module")
+def reference(family_dir: Path) -> torch.nn.Module:
+    """transformers' fp32 model of the family (eager attention: soft-capping)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        family_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _skip_window_variants(family_dir: Path) -> None:
+    """The *-window variants differ from their family only in attention, which the
+    logits test covers (and test_sliding_window runs Mistral's through the engine)."""
+    if family_dir.name.rstrip("0123456789").endswith("-window"):
+        pytest.skip("attention-only variant: covered by the logits test")
+
+
 def _check_schedule(
     ours: torch.nn.Module, ref: torch.nn.Module, schedule: list[list[tuple[int, int]]]
 ) -> None:
@@ -167,22 +182,28 @@ def _check_schedule(
             done[seq] += n
 
 
-def test_logits_match_transformers(family_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_logits_match_transformers(
+    family_dir: Path, reference: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SCHEDULE: chunked prefill, prefills beside decodes; SKEWED: a 40-token prompt
     and decodes past it, far past the sliding window of the windowed families;
     SKEWED again on the torch decode path (the one CUDA and half precision take)."""
     ours = load_model(family_dir, load_hf_config(family_dir), torch.float32, torch.device("cpu"))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        family_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    ref = reference
     _check_schedule(ours, ref, SCHEDULE)
     _check_schedule(ours, ref, SKEWED)
     monkeypatch.setattr(attention, "can_use_native_decode", lambda q, kv_cache: False)
     _check_schedule(ours, ref, SKEWED)
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def _hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    model: torch.nn.Module | None = None,
+) -> list[list[int]]:
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -199,12 +220,15 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> li
     return out
 
 
-def test_greedy_matches_generate_with_chunks_and_prefix_hits(family_dir: Path) -> None:
+def test_greedy_matches_generate_with_chunks_and_prefix_hits(
+    family_dir: Path, reference: torch.nn.Module
+) -> None:
+    _skip_window_variants(family_dir)
     vocab = load_hf_config(family_dir).vocab_size
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, vocab, (16,), generator=g).tolist()
     prompts = [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 9)]
-    expected = _hf_greedy(family_dir, prompts, 10)
+    expected = _hf_greedy(family_dir, prompts, 10, reference)
     llm = LLM(
         str(family_dir),
         multiprocess=False,
@@ -226,6 +250,7 @@ BF16_ATOL = 0.1
 
 
 def test_bf16_close_to_transformers_bf16(family_dir: Path) -> None:
+    _skip_window_variants(family_dir)
     hf_config = load_hf_config(family_dir)
     ours = load_model(family_dir, hf_config, torch.bfloat16, torch.device("cpu"))
     ref = transformers.AutoModelForCausalLM.from_pretrained(
