@@ -67,3 +67,37 @@ def test_any_global_layer_keeps_every_block(tmp_path: Path) -> None:
     context: nothing can be given back."""
     path = make_family_model(tmp_path / "q", "qwen3-window")
     assert kv_window(load_hf_config(path)) is None
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "windows"),
+    [
+        ("MistralForCausalLM", {"sliding_window": 8}, [8, 8, 8, 8]),
+        ("MistralForCausalLM", {"sliding_window": None}, [None] * 4),
+        (
+            "Qwen2ForCausalLM",
+            {"use_sliding_window": True, "max_window_layers": 2},
+            [None, None, 4096, 4096],
+        ),
+        ("Qwen2ForCausalLM", {"sliding_window": 8}, [None] * 4),  # use_sliding_window off
+        ("Gemma2ForCausalLM", {"sliding_window": 8}, [8, None, 8, None]),
+        ("Gemma3ForCausalLM", {"sliding_window": 8, "sliding_window_pattern": 3}, [8, 8, None, 8]),
+        (
+            "Gemma3ForCausalLM",
+            {"sliding_window": 8, "layer_types": ["full_attention"] + ["sliding_attention"] * 3},
+            [None, 8, 8, 8],
+        ),
+    ],
+)
+def test_layer_windows_from_config_json(
+    tmp_path: Path, arch: str, fields: dict, windows: list
+) -> None:
+    """Configs written before transformers 5 (no `layer_types`) read as transformers
+    reads them."""
+    import json
+
+    from asyncllm.models.hf_config import layer_windows
+
+    raw = {"architectures": [arch], "num_hidden_layers": 4, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert layer_windows(load_hf_config(tmp_path)) == windows

@@ -57,12 +57,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768,
         "sliding_window": 4096,
         "use_sliding_window": False,
+        "max_window_layers": 28,
     },
     "Qwen3ForCausalLM": {
         "vocab_size": 151936,
         "intermediate_size": 22016,
         "max_position_embeddings": 32768,
         "head_dim": 128,
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
     },
     "Phi3ForCausalLM": {
         "vocab_size": 32064,
