@@ -40,6 +40,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(
             partial_rotary_factor=0.5,
             pad_token_id=0,
+            original_max_position_embeddings=256,  # < max_position_embeddings: scaled
             rope_parameters={
                 "rope_type": "longrope",
                 "rope_theta": 10000.0,
@@ -302,3 +303,32 @@ def test_unknown_architecture_lists_every_family(tmp_path: Path) -> None:
         load_hf_config(path)
     for arch in {name for name, _, _ in FAMILIES.values()}:
         assert arch in str(err.value)
+
+
+def test_longrope_tables_match_transformers() -> None:
+    """Phi-3's longrope: below original_max_position_embeddings the short factors,
+    from there on the long ones (transformers switches a whole pass once it is
+    past that length), both times the attention factor, on the rotary half."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from asyncllm.models.layers import rope_parameters
+    from asyncllm.models.phi3 import LongRopeEmbedding
+
+    _, config_name, overrides = FAMILIES["phi3"]
+    config = getattr(transformers, config_name)(**dict(TINY_DEFAULTS, vocab_size=64, **overrides))
+    params = rope_parameters(config)
+    original = params["original_max_position_embeddings"]
+    assert original == 256 < config.max_position_embeddings  # attention factor > 1
+    rotary_dim = config.head_dim // 2  # partial_rotary_factor 0.5
+    rotary = LongRopeEmbedding(rotary_dim, config.max_position_embeddings, params, original)
+    rotary.init_cache(torch.float32, torch.device("cpu"))
+    for seq_len, positions in (
+        (original, range(0, original)),
+        (original + 1, range(original, 1024)),
+    ):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=seq_len)
+        pos = torch.tensor(list(positions))
+        freqs = torch.outer(pos.float(), inv_freq)
+        cos, sin = rotary.cos_sin(pos)
+        torch.testing.assert_close(cos[:, 0], freqs.cos() * factor)
+        torch.testing.assert_close(sin[:, 0], freqs.sin() * factor)
