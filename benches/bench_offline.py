@@ -2,7 +2,7 @@
 sampled, and the engine's decode step against a bare plain-torch decode step (the
 floor).
 
-    python benches/bench_offline.py [--models micro small] [--streams 64 256] [--quick]
+    python benches/bench_offline.py [--models micro small moe] [--streams 64 256] [--quick]
 
 Workloads (fixed seed): "fixed" = `--streams` requests at once (64 and 256),
 32-token prompts, 128 output tokens; "mixed" = 256 requests, prompts of 16-512
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import FloorDecode  # noqa: E402
-from models import QUICK_HELP, build_model  # noqa: E402
+from models import MODELS, QUICK_HELP, build_model  # noqa: E402
 
 VOCAB = 32000
 
@@ -255,7 +255,13 @@ def main() -> None:
                     )
                     for row in found:
                         row.update(model=model_name, workload=wl, streams=streams)
-                    if wl == "fixed" and streams == max(args.streams) and not args.skip_floor:
+                    llama = MODELS[model_name].get("arch", "llama") == "llama"  # floor.py's
+                    if (
+                        wl == "fixed"
+                        and streams == max(args.streams)
+                        and llama
+                        and not args.skip_floor
+                    ):
                         found[0].update(
                             paired_decode_vs_floor(model_dir, context, args.floor_repeats)
                         )

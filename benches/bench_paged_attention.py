@@ -9,6 +9,10 @@ floor a non-paged engine gets). Each includes writing the step's new k/v. Runs a
 interleaved (rust, torch, contig, rust, ...) so that the noise of a shared machine
 hits all three alike; medians in ms per layer call, ratios to contig.
 
+`--window W` instead times the sliding-window decode (Rust kernel, `window=W`)
+at contexts W, 2W and 4W beside the same call without a window: windowed time
+stays flat in the context, full attention grows with it.
+
 The kernel runs on torch's OpenMP team; `ASYNCLLM_KERNEL_POOL=rayon` runs it on a
 rayon pool of its own instead (read once per process: to compare the two, alternate
 processes, as benches/RESULTS.md does).
@@ -35,7 +39,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="micro at ctx 100, 2 repeats")
+    parser.add_argument("--window", type=int, help="sliding window: contexts W, 2W, 4W")
     args = parser.parse_args()
+    if args.window:
+        torch.set_num_threads(args.threads)
+        bench_window(args.window, 2 if args.quick else args.repeats, args.threads)
+        return
     configs, contexts = CONFIGS, (100, 300)
     if args.quick:
         configs, contexts, args.repeats = {"micro": CONFIGS["micro"]}, (100,), 2
@@ -54,13 +63,32 @@ def main() -> None:
             )
 
 
-def bench(heads: int, kv_heads: int, head_dim: int, ctx: int, repeats: int) -> list[float]:
+def bench_window(window: int, repeats: int, threads: int) -> None:
+    heads, kv_heads, head_dim = CONFIGS["small"]
+    print(f"threads={threads}  batch=256  block_size=16  small  window={window}")
+    print(f"{'ctx':>6} {'windowed ms':>11} {'full ms':>8} {'windowed/full':>13}")
+    for ctx in (window, 2 * window, 4 * window):
+        windowed = bench(heads, kv_heads, head_dim, ctx, repeats, window, rust_only=True)[0]
+        full = bench(heads, kv_heads, head_dim, ctx, repeats, rust_only=True)[0]
+        print(f"{ctx:>6} {windowed:11.2f} {full:8.2f} {windowed / full:13.2f}")
+
+
+def bench(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ctx: int,
+    repeats: int,
+    window: int | None = None,
+    rust_only: bool = False,
+) -> list[float]:
     batch, block_size = 256, 16
     rng = np.random.default_rng(0)
     ctxs = rng.integers(int(ctx * 0.9), int(ctx * 1.1) + 1, batch)  # the step's contexts
     blocks_per_seq = -(-(ctxs + 1) // block_size)
     num_blocks = int(blocks_per_seq.sum()) + 16
-    perm, tables, start = rng.permutation(num_blocks), np.zeros((batch, 64), np.int32), 0
+    width = max(64, int(blocks_per_seq.max()))
+    perm, tables, start = rng.permutation(num_blocks), np.zeros((batch, width), np.int32), 0
     for i, n in enumerate(blocks_per_seq):
         tables[i, :n] = perm[start : start + n]
         start += n
@@ -93,17 +121,19 @@ def bench(heads: int, kv_heads: int, head_dim: int, ctx: int, repeats: int) -> l
 
     def paged_rust() -> None:
         assert attention.can_use_native_decode(q, cache)
-        attention.paged_attention(q, k, v, cache, meta, scale)
+        attention.paged_attention(q, k, v, cache, meta, scale, window=window)
 
     def paged_torch() -> None:
         saved = attention.can_use_native_decode
         attention.can_use_native_decode = lambda q, kv_cache: False  # type: ignore[assignment]
         try:
-            attention.paged_attention(q, k, v, cache, meta, scale)
+            attention.paged_attention(q, k, v, cache, meta, scale, window=window)
         finally:
             attention.can_use_native_decode = saved  # type: ignore[assignment]
 
     fns: list[Callable[[], None]] = [paged_rust, paged_torch, contiguous]
+    if rust_only:
+        fns = [paged_rust]
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()

@@ -32,6 +32,19 @@ MODELS = {
         num_key_value_heads=4,
         intermediate_size=1536,
     ),
+    # Mixtral-style mixture of experts: hidden 256, 4 layers, 8 heads (dim 32), 4 KV
+    # heads, 8 experts of intermediate 512 with 2 active per token, vocab 32000
+    "moe": dict(
+        arch="mixtral",
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        head_dim=32,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
 }
 
 
@@ -41,7 +54,7 @@ QUICK_HELP = "the smallest settings, a few seconds: checks that it runs (CI); fi
 def build_model(name: str, root: str | Path, seed: int = 0) -> Path:
     """Save a random-weight Llama with the llama-2 tokenizer under root/name (root
     may be a str: bench_engine_overhead passes one through a child's command line)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     tokenizer_dir = ASSETS / "tokenizers" / "llama-2"
     if not (tokenizer_dir / "tokenizer.json").is_file():
@@ -49,16 +62,21 @@ def build_model(name: str, root: str | Path, seed: int = 0) -> Path:
     out = Path(root) / name
     if (out / "config.json").is_file():
         return out
-    config = LlamaConfig(
+    settings = dict(MODELS[name])
+    mixtral = settings.pop("arch", "llama") == "mixtral"
+    config_cls, model_cls = (
+        (MixtralConfig, MixtralForCausalLM) if mixtral else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_cls(
         vocab_size=32000,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        **MODELS[name],
+        **settings,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     # Written beside, then renamed: an interrupted build leaves no half model behind
     # that a later run would take for a finished one.
     out.parent.mkdir(parents=True, exist_ok=True)

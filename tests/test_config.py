@@ -99,15 +99,16 @@ def test_unknown_engine_argument_named():
         EngineArgs.from_kwargs(model="/m", max_num_seq=3)
 
 
-def test_resolve_caps_context_at_model_and_sliding_window():
+def test_resolve_caps_context_at_the_model_not_the_sliding_window():
+    """Sliding-window attention is real, so Mistral serves its whole position range."""
     from transformers import MistralConfig
 
     cfg = MistralConfig(max_position_embeddings=32768, sliding_window=4096)
-    assert EngineArgs(model="/m", device="cpu").resolve(cfg).max_model_len == 4096
-    with pytest.raises(ConfigError, match=r"max_model_len=8192 .* <= the model's context 4096"):
-        EngineArgs(model="/m", device="cpu", max_model_len=8192).resolve(cfg)
-    cfg.sliding_window = None
     assert EngineArgs(model="/m", device="cpu").resolve(cfg).max_model_len == 32768
+    longer = EngineArgs(model="/m", device="cpu", max_model_len=8192).resolve(cfg)
+    assert longer.max_model_len == 8192
+    with pytest.raises(ConfigError, match=r"max_model_len=65536 .* <= the model's context 32768"):
+        EngineArgs(model="/m", device="cpu", max_model_len=65536).resolve(cfg)
 
 
 def test_async_scheduling_defaults_to_the_device(monkeypatch):

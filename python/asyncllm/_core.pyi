@@ -460,6 +460,7 @@ def _paged_decode_attention(
     seq_lens: _Buffer,
     scale: float,
     num_threads: int,
+    window: int = 0,
 ) -> None:
     """Decode attention for `num_seqs` sequences of one query token each, reading
     K/V in place through block tables (rust/kernels/paged_attention.rs).
@@ -480,7 +481,9 @@ def _paged_decode_attention(
     1..blocks_per_seq * block_size. All C-contiguous; `out` writable and apart from
     kv_cache (q, block_tables and seq_lens are copied before the GIL is released).
     The work is split over `num_threads` threads (at least 1; pass
-    `torch.get_num_threads()`). Raises ValueError on a wrong dtype, shape or
+    `torch.get_num_threads()`). `window` > 0 (sliding-window layers): each
+    sequence attends to its last `window` tokens only and the blocks before them
+    are not read; 0: all its tokens. Raises ValueError on a wrong dtype, shape or
     layout, a seq_len out of range or a block id outside 0..num_blocks."""
 
 def _kernel_isa(dtype: str) -> str:

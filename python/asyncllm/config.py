@@ -289,18 +289,15 @@ class EngineConfig:
 
 
 def _model_context_len(hf_config: Any) -> int | None:
-    """The longest context the model serves correctly. A sliding-window model (Mistral
-    v0.1) is capped at its window: attention here always sees the whole context, which
-    equals windowed attention only up to the window's length."""
+    """The longest context the model serves: its position limit. Sliding-window
+    layers (Mistral, Gemma's local layers, Qwen2's use_sliding_window) attend within
+    their window at any length (models/attention.py), so the window caps nothing."""
     length = None
     for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             length = value
             break
-    window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True):
-        length = window if length is None else min(length, window)
     return length
 
 

@@ -14,7 +14,10 @@ pub(crate) mod team;
 mod tests;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
-pub use paged_attention::{kernel_isa, paged_decode_attention, BlockIndex, DecodeShape, KvCache};
+pub use paged_attention::{
+    kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,
+    KvCache,
+};
 
 /// An argument a kernel cannot work with. Every check runs before any output is
 /// written, so on error the output buffer is untouched.

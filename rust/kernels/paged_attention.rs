@@ -209,6 +209,37 @@ pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex, E: KvElem>(
         num_threads,
         out,
         Isa::detect::<E>()?,
+        0,
+    )
+}
+
+/// `paged_decode_attention` over each sequence's last `window` tokens only
+/// (positions `seq_lens[b] - window .. seq_lens[b]`, or all when `window` is 0
+/// or at least `seq_lens[b]`): sliding-window layers. The blocks before the
+/// window are not read.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_windowed<T: BlockIndex, L: BlockIndex, E: KvElem>(
+    shape: &DecodeShape,
+    q: &[f32],
+    kv_cache: KvCache<'_, E>,
+    block_tables: &[T],
+    seq_lens: &[L],
+    scale: f32,
+    window: usize,
+    num_threads: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    run(
+        shape,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        num_threads,
+        out,
+        Isa::detect::<E>()?,
+        window,
     )
 }
 
@@ -225,11 +256,12 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
     num_threads: usize,
     out: &mut [f32],
     isa: Isa,
+    window: usize,
 ) -> Result<(), KernelError> {
     if num_threads == 0 {
         return Err(shape_err("num_threads must be at least 1".into()));
     }
-    let job = Job::new(
+    let mut job = Job::new(
         shape,
         q,
         kv_cache,
@@ -239,6 +271,7 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
         out.len(),
         num_threads,
     )?;
+    job.window = window;
     let heads = job.heads_per_item;
     let chunk = heads * job.group * shape.head_dim;
     let num_items = shape.num_seqs * shape.num_kv_heads / heads;
@@ -307,6 +340,8 @@ struct Job<'a, T, E> {
     block_stride: usize,
     /// KV heads per work item (a divisor of num_kv_heads).
     heads_per_item: usize,
+    /// Tokens attended to at the end of each sequence (0: all).
+    window: usize,
 }
 
 impl<'a, T: BlockIndex, E: KvElem> Job<'a, T, E> {
@@ -385,6 +420,7 @@ impl<'a, T: BlockIndex, E: KvElem> Job<'a, T, E> {
             token_stride,
             block_stride: bs * token_stride,
             heads_per_item: heads_per_item(shape, num_threads),
+            window: 0,
         })
     }
 }
@@ -535,8 +571,15 @@ fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
     s.sum.fill(0.0);
     // In range: `Job::new` checked every block id this call reads.
     let base_of = |block: &T| block.to_i64() as usize * job.block_stride + first_head * d;
-    for (j, block) in table.iter().enumerate() {
+    // Sliding window: the first position read; blocks before it are skipped.
+    let first = if job.window > 0 {
+        len.saturating_sub(job.window)
+    } else {
+        0
+    };
+    for (j, block) in table.iter().enumerate().skip(first / bs) {
         let n = bs.min(len - j * bs);
+        let t0 = if j == first / bs { first % bs } else { 0 };
         let base = base_of(block);
         if let Some(next) = table.get(j + 1) {
             let next = base_of(next);
@@ -554,7 +597,7 @@ fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
             };
             let out = &mut out[h * group * d..][..group * d];
             let (max, sum) = (&mut s.max[h * group..], &mut s.sum[h * group..]);
-            for t in 0..n {
+            for t in t0..n {
                 let key = job.k.row(base + t * ts + h * d, d);
                 for (g, qg) in q.chunks_exact(d).enumerate() {
                     let score = match E::bits(key) {
@@ -565,7 +608,7 @@ fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
                 }
             }
             for (g, out) in out.chunks_exact_mut(d).enumerate() {
-                let row = &mut s.scores[g * bs..][..n];
+                let row = &mut s.scores[g * bs + t0..g * bs + n];
                 let block_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                 if block_max > max[g] {
                     if max[g] != f32::NEG_INFINITY {
@@ -577,7 +620,7 @@ fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
                 }
                 sum[g] += exp_shifted_sum::<AVX2>(row, max[g]);
             }
-            for t in 0..n {
+            for t in t0..n {
                 let value = job.v.row(base + t * ts + h * d, d);
                 for (g, out) in out.chunks_exact_mut(d).enumerate() {
                     axpy::<AVX2, E>(s.scores[g * bs + t], value, out);

@@ -85,6 +85,12 @@ fn case(heads: usize, kv_heads: usize, head_dim: usize, seq_lens: &[usize], seed
 
 /// Gathers each sequence's keys and values and runs a two-pass softmax in f64.
 fn reference(c: &Case) -> Vec<f64> {
+    reference_windowed(c, 0)
+}
+
+/// Gathers each sequence's last `window` keys and values (0: all) and runs a
+/// two-pass softmax in f64.
+fn reference_windowed(c: &Case, window: usize) -> Vec<f64> {
     let s = &c.shape;
     let (d, bs, group) = (s.head_dim, s.block_size, s.num_heads / s.num_kv_heads);
     let half = c.cache.len() / 2;
@@ -96,9 +102,14 @@ fn reference(c: &Case) -> Vec<f64> {
     let mut out = vec![0.0f64; s.num_seqs * s.num_heads * d];
     for b in 0..s.num_seqs {
         let len = c.seq_lens[b] as usize;
+        let first = if window > 0 {
+            len.saturating_sub(window)
+        } else {
+            0
+        };
         for h in 0..s.num_heads {
             let q = &c.q[(b * s.num_heads + h) * d..][..d];
-            let scores: Vec<f64> = (0..len)
+            let scores: Vec<f64> = (first..len)
                 .map(|t| {
                     let k = at(0, b, t, h / group);
                     let dot: f64 = q.iter().zip(k).map(|(x, y)| *x as f64 * *y as f64).sum();
@@ -109,7 +120,7 @@ fn reference(c: &Case) -> Vec<f64> {
             let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
             let total: f64 = weights.iter().sum();
             let o = &mut out[(b * s.num_heads + h) * d..][..d];
-            for (t, w) in weights.iter().enumerate() {
+            for (t, w) in (first..len).zip(&weights) {
                 for (o, v) in o.iter_mut().zip(at(1, b, t, h / group)) {
                     *o += w / total * *v as f64;
                 }
@@ -170,6 +181,7 @@ fn check_bf16(c: &Case) {
                 threads,
                 &mut out,
                 isa,
+                0,
             )
             .unwrap();
             for (i, (got, want)) in out.iter().zip(&want).enumerate() {
@@ -187,7 +199,11 @@ fn check_bf16(c: &Case) {
 /// Every instruction-set variant, with one thread (a work item per sequence, all
 /// its KV heads) and with three (few sequences per thread: an item per KV head).
 fn check(c: &Case) {
-    let want = reference(c);
+    check_windowed(c, 0)
+}
+
+fn check_windowed(c: &Case, window: usize) {
+    let want = reference_windowed(c, window);
     for isa in isas(false) {
         for threads in [1, 3] {
             let mut out = vec![f32::NAN; want.len()];
@@ -201,6 +217,7 @@ fn check(c: &Case) {
                 threads,
                 &mut out,
                 isa,
+                window,
             )
             .unwrap();
             for (i, (got, want)) in out.iter().zip(&want).enumerate() {
@@ -425,4 +442,27 @@ fn bf16_rounding_is_to_nearest_even() {
     assert_eq!(bf16_to_f32(0xc000), -2.0);
     assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
     assert_eq!(f32_to_bf16(f32::INFINITY), 0x7f80);
+}
+
+/// Sliding window: only each sequence's last `window` tokens count, and the blocks
+/// wholly before the window are never read (they hold NaN here, which would
+/// poison the output).
+#[test]
+fn windowed_reads_only_the_window() {
+    let lens = [1, 15, 16, 17, 40, 70];
+    for window in [1, 5, 16, 20, 100] {
+        let mut c = case(4, 2, 8, &lens, window as u64);
+        let s = c.shape;
+        let half = c.cache.len() / 2;
+        let block_len = s.block_size * s.num_kv_heads * s.head_dim;
+        for (b, &len) in lens.iter().enumerate() {
+            for j in 0..len.saturating_sub(window) / s.block_size {
+                let block = c.tables[b * s.blocks_per_seq + j] as usize;
+                for kv in 0..2 {
+                    c.cache[kv * half + block * block_len..][..block_len].fill(f32::NAN);
+                }
+            }
+        }
+        check_windowed(&c, window);
+    }
 }

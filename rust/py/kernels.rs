@@ -135,7 +135,10 @@ impl Cache {
 /// writes `kv_cache` or touches `out` meanwhile. q, the block tables and the
 /// lengths are small and copied first, so they need no such promise, and the
 /// block ids the kernel checks are the ones it uses.
+/// `window` > 0: each sequence attends to its last `window` tokens only
+/// (sliding-window layers); 0: to all of them.
 #[pyfunction(name = "_paged_decode_attention")]
+#[pyo3(signature = (out, q, kv_cache, block_tables, seq_lens, scale, num_threads, window=0))]
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
 fn paged_decode_attention(
     py: Python<'_>,
@@ -146,6 +149,7 @@ fn paged_decode_attention(
     seq_lens: &Bound<'_, PyAny>,
     scale: f32,
     num_threads: usize,
+    window: usize,
 ) -> PyResult<()> {
     let out = buffer::<f32>(out, "out", "float32", 2)?;
     let q = buffer::<f32>(q, "q", "float32", 3)?;
@@ -209,7 +213,16 @@ fn paged_decode_attention(
             // above) runs the model on the thread that alone writes the cache,
             // which is blocked in this call.
             let kv = unsafe { KvCache::from_raw(data_ptr(buf), buf.item_count()) };
-            dispatch(py, &shape, &q, kv, &tables, &lens, scale, num_threads, out)
+            dispatch(
+                py,
+                &shape,
+                &q,
+                kv,
+                &tables,
+                &lens,
+                (scale, window, num_threads),
+                out,
+            )
         }
         Cache::Bf16(buf) => {
             // SAFETY: as for f32 above, for an int16 buffer; the pointer is cast
@@ -217,7 +230,16 @@ fn paged_decode_attention(
             let kv = unsafe {
                 KvCache::<u16>::from_raw(data_ptr(buf).cast_const().cast(), buf.item_count())
             };
-            dispatch(py, &shape, &q, kv, &tables, &lens, scale, num_threads, out)
+            dispatch(
+                py,
+                &shape,
+                &q,
+                kv,
+                &tables,
+                &lens,
+                (scale, window, num_threads),
+                out,
+            )
         }
     };
     result.map_err(|e| Error::from(e).into())
@@ -232,15 +254,14 @@ fn dispatch<E: KvElem>(
     kv: KvCache<'_, E>,
     tables: &Ints,
     lens: &Ints,
-    scale: f32,
-    num_threads: usize,
+    w: (f32, usize, usize),
     out: &mut [f32],
 ) -> Result<(), kernels::KernelError> {
     match (tables, lens) {
-        (Ints::I64(t), Ints::I64(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
-        (Ints::I64(t), Ints::I32(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I64(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
-        (Ints::I32(t), Ints::I32(l)) => run(py, shape, q, kv, t, l, scale, num_threads, out),
+        (Ints::I64(t), Ints::I64(l)) => run(py, shape, q, kv, t, l, w, out),
+        (Ints::I64(t), Ints::I32(l)) => run(py, shape, q, kv, t, l, w, out),
+        (Ints::I32(t), Ints::I64(l)) => run(py, shape, q, kv, t, l, w, out),
+        (Ints::I32(t), Ints::I32(l)) => run(py, shape, q, kv, t, l, w, out),
     }
 }
 
@@ -252,12 +273,21 @@ fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
     kv_cache: KvCache<'_, E>,
     tables: &[T],
     lens: &[L],
-    scale: f32,
-    num_threads: usize,
+    (scale, window, num_threads): (f32, usize, usize),
     out: &mut [f32],
 ) -> Result<(), kernels::KernelError> {
     py.detach(|| {
-        kernels::paged_decode_attention(shape, q, kv_cache, tables, lens, scale, num_threads, out)
+        kernels::paged_decode_attention_windowed(
+            shape,
+            q,
+            kv_cache,
+            tables,
+            lens,
+            scale,
+            window,
+            num_threads,
+            out,
+        )
     })
 }
 

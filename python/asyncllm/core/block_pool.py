@@ -27,6 +27,11 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={cached})"
 
 
+# A request's table entry whose block it gave back (sliding window: no layer reads
+# it again); not in the pool, never freed or cached.
+DROPPED = KVBlock(-1)
+
+
 class BlockPool:
     """Owns every block. Invariant: a block is on the free list iff its ref_cnt is 0."""
 
@@ -92,8 +97,8 @@ class BlockPool:
         cached = self._cached
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None:
-                continue  # already cached (a shared prefix block)
+            if block.block_hash is not None or block is DROPPED:
+                continue  # already cached (a shared prefix block), or given back
             key = block_hashes[i]
             block.block_hash = key
             cached.setdefault(key, block)

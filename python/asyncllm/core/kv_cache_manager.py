@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
-from asyncllm.core.block_pool import BlockPool, KVBlock
+from asyncllm.core.block_pool import DROPPED, BlockPool, KVBlock
 from asyncllm.core.request import Request
 
 
 class KVCacheManager:
     """Every request owns a list of blocks (its block table); blocks may be shared
-    with other requests through the prefix cache."""
+    with other requests through the prefix cache.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    With `sliding_window` (every layer of the model attends to at most that many
+    positions back), blocks that have left the window of a request's next query
+    are given back to the pool as the request grows: its table keeps their place
+    as `DROPPED` and the blocks no longer count against it, so a long request holds
+    about window / block_size blocks."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[int, list[KVBlock]] = {}
         self._num_cached_blocks: dict[int, int] = {}
+        self._num_dropped: dict[int, int] = {}  # leading table entries given back
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
 
@@ -61,12 +75,15 @@ class KVCacheManager:
         Returns the blocks appended to its table, or None when the pool is too
         small (nothing is changed then)."""
         needed = self._num_blocks_needed(request, num_new_tokens, computed)
+        if self.sliding_window is not None and request.request_id in self.req_to_blocks:
+            self._drop_out_of_window(request.request_id, request.num_computed_tokens)
         if needed > self._num_available(computed):
             return None
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = 0
+            self._num_dropped[request.request_id] = 0
         added: list[KVBlock] = []
         if computed:
             self.pool.touch(computed)
@@ -77,6 +94,8 @@ class KVCacheManager:
             new = self.pool.get_new_blocks(needed)
             blocks.extend(new)
             added.extend(new)
+        if computed and self.sliding_window is not None:
+            self._drop_out_of_window(request.request_id, len(computed) * self.block_size)
         return added
 
     def allocate_decode_blocks(self, requests: list[Request]) -> dict[int, list[int]] | None:
@@ -84,6 +103,9 @@ class KVCacheManager:
         tokens exactly fill their blocks (the next token starts a new one). Returns
         request id -> [new block id], or None when the pool is too small (nothing
         is changed then). The all-decode fast path of `Scheduler.schedule`."""
+        if self.sliding_window is not None:
+            for request in requests:
+                self._drop_out_of_window(request.request_id, request.num_computed_tokens)
         if len(requests) > self.pool.num_free_blocks:
             return None
         new = self.pool.get_new_blocks(len(requests))
@@ -113,11 +135,33 @@ class KVCacheManager:
         a shared prefix outlives the suffixes that hang off it."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        dropped = self._num_dropped.pop(request.request_id, 0)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed(blocks[dropped:]))
 
     def block_ids(self, request_id: int) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table; a dropped entry (out of every layer's window,
+        never read again) reads as block 0, a valid id that no kernel reads."""
+        return [max(b.block_id, 0) for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: int) -> int:
+        """Blocks the request holds now (its table minus the dropped entries)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self._num_dropped.get(request_id, 0)
+
+    def _drop_out_of_window(self, request_id: int, first_query: int) -> None:
+        """Give back the request's blocks whose every position is out of the window
+        of a query at `first_query` and after: positions <= first_query - window."""
+        assert self.sliding_window is not None
+        limit = max(0, first_query - self.sliding_window + 1) // self.block_size
+        start = self._num_dropped[request_id]
+        if limit <= start:
+            return
+        blocks = self.req_to_blocks[request_id]
+        limit = min(limit, len(blocks))
+        self.pool.free_blocks(blocks[start:limit])
+        for i in range(start, limit):
+            blocks[i] = DROPPED
+        self._num_dropped[request_id] = limit
 
     def _num_blocks_needed(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None

@@ -21,6 +21,7 @@ from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
 from asyncllm.grammar_cache import GrammarCache
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
+from asyncllm.models.hf_config import kv_window
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
@@ -65,7 +66,10 @@ class EngineCore:
             self.runner.grammar_rows = GrammarRows(self.grammars, config.max_num_seqs)
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=kv_window(hf_config),
         )
         # Requests admitted but without an output yet: their prefix-cache hits go
         # out with their first output (see `_first_output_hits`).

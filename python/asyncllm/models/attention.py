@@ -42,6 +42,24 @@ class PrefillSpan:
     block_table: torch.Tensor | None
     # [query_len, seq_len] bool (True = attend): causal with an offset of context_len.
     mask: torch.Tensor | None
+    # window -> (first key read, [query_len, seq_len - first] bool mask): the keys a
+    # sliding-window layer reads; built by the first layer that needs it.
+    _windows: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def window(self, window: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+        """The first key a `window`-wide sliding-window layer reads for this span,
+        and its mask (None: plain causal attention from that key on suffices)."""
+        if self.seq_len <= window:
+            return 0, self.mask
+        cached = self._windows.get(window)
+        if cached is None:
+            first = max(0, self.context_len + 1 - window)
+            q_pos = np.arange(self.context_len, self.seq_len)[:, None]
+            k_pos = np.arange(first, self.seq_len)[None, :]
+            keep = (k_pos <= q_pos) & (k_pos > q_pos - window)
+            cached = (first, torch.from_numpy(keep).to(device))
+            self._windows[window] = cached
+        return cached
 
 
 @dataclass
@@ -62,6 +80,27 @@ class DecodeGroup:
     mask: torch.Tensor | None
     # Float versions of mask per dtype, made by the first layer that needs one.
     _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+    # [g] int64 host copy of the group's seq_lens, for sliding-window masks.
+    seq_lens: np.ndarray | None = field(default=None, repr=False)
+    # (window, dtype) -> additive mask hiding keys outside each decode's window.
+    _window_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
+
+    def window_mask_as(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """An additive mask [g, 1, 1, max_len] that keeps each decode's last `window`
+        keys only (sliding-window layers); built by the first layer that needs it."""
+        mask = self._window_masks.get((window, dtype))
+        if mask is None:
+            assert self.seq_lens is not None
+            lens = self.seq_lens[:, None]
+            pos = np.arange(self.max_len)[None, :]
+            keep = (pos < lens) & (pos >= lens - window)
+            mask = torch.zeros(keep.shape, dtype=dtype)
+            mask.masked_fill_(torch.from_numpy(~keep), float("-inf"))
+            mask = mask[:, None, None, :].to(self.block_tables.device)
+            self._window_masks[(window, dtype)] = mask
+        return mask
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
         """mask as an additive mask of `dtype` (0 / -inf), which the fused CPU and
@@ -134,7 +173,9 @@ def build_attention_metadata(
             if int(lens.min()) != max_len:
                 keep = np.arange(max_len)[None, :] < lens[:, None]
                 group_mask = _to_device(keep[:, None, None, :], device)
-            decode_groups.append(DecodeGroup(index, group_table, max_len, group_mask))
+            group = DecodeGroup(index, group_table, max_len, group_mask)
+            group.seq_lens = lens
+            decode_groups.append(group)
 
     prefills = []
     starts = np.concatenate([[0], np.cumsum(query_lens)])
@@ -191,36 +232,98 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's cached keys, after writing this
-    step's k/v [T, Hkv, D]; returns [T, Hq * D] in q's dtype."""
+    step's k/v [T, Hkv, D]; returns [T, Hq * D] in q's dtype. `window`: each query
+    attends to its last `window` positions only (itself included), as transformers'
+    sliding-window layers do; `softcap`: scores pass through cap * tanh(s / cap)
+    before the softmax (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     write_kv(k, v, kv_cache, meta.slot_mapping)
 
     outputs = []
     num_decodes = meta.num_decodes
     if num_decodes:
-        outputs.append(_decode_attention(q[:num_decodes], kv_cache, meta, scale))
-    for span in meta.prefills:
-        if span.block_table is None:
-            keys, values = k[span.start : span.end], v[span.start : span.end]
+        if window is None and softcap is None:
+            outputs.append(_decode_attention(q[:num_decodes], kv_cache, meta, scale))
         else:
-            kv = kv_cache[:, span.block_table].flatten(1, 2)[:, : span.seq_len].to(q.dtype)
+            dec = q[:num_decodes]
+            outputs.append(_decode_attention_ext(dec, kv_cache, meta, scale, window, softcap))
+    for span in meta.prefills:
+        first, mask = (0, span.mask) if window is None else span.window(window, q.device)
+        if span.block_table is None:
+            keys, values = k[span.start + first : span.end], v[span.start + first : span.end]
+        else:
+            table = span.block_table[first // kv_cache.shape[2] :]
+            skip = first - first % kv_cache.shape[2]
+            kv = kv_cache[:, table].flatten(1, 2)[:, first - skip : span.seq_len - skip].to(q.dtype)
             keys, values = kv[0], kv[1]
-        out = F.scaled_dot_product_attention(
+        out = _attend(
             q[span.start : span.end].transpose(0, 1),
             keys.transpose(0, 1),
             values.transpose(0, 1),
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            mask,
+            scale,
+            softcap,
         )
         outputs.append(out.transpose(0, 1).reshape(span.end - span.start, num_heads * head_dim))
     if len(outputs) == 1:
         return outputs[0]
     return torch.cat(outputs, dim=0)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One prefill span: q [Hq, Tq, D] over k/v [Hkv, Tk, D] with a bool mask
+    [Tq, Tk] (None: causal, the last query aligned with the last key)."""
+    num_heads, num_kv_heads = q.shape[0], k.shape[0]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    if mask is None:
+        tq, tk = q.shape[1], k.shape[1]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    group = num_heads // num_kv_heads
+    qg = q.reshape(num_kv_heads, group * q.shape[1], q.shape[2])
+    out = _softcapped(qg, k, v, mask.repeat(group, 1), scale, softcap)
+    return out.reshape(q.shape)
+
+
+def _softcapped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Eager attention with logit soft-capping, which SDPA cannot do: scores, then
+    cap * tanh(scores / cap), the mask (bool: True = attend, or additive), and a
+    float32 softmax as in transformers. q [..., Tq, D], k/v [..., Tk, D]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -248,12 +351,37 @@ def _decode_attention(
     return _torch_decode(q, kv_cache, meta, scale)
 
 
+def _decode_attention_ext(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decodes of a sliding-window or soft-capped layer. The Rust kernel reads only
+    the window; soft-capping runs on the torch path."""
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    if softcap is None and can_use_native_decode(q, kv_cache):
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        return _native_decode(q, kv_cache, tables, lens, scale, window or 0)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    for group in meta.decode_groups:
+        part = q if group.rows is None else q.index_select(0, group.rows)
+        part = _torch_decode_group(part, kv_cache, group, scale, window, softcap)
+        if group.rows is None:
+            return part
+        out.index_copy_(0, group.rows, part)
+    return out
+
+
 def _native_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The Rust kernel, on zero-copy numpy views of the tensors; it releases the GIL
     and splits the (sequence, KV head) pairs over torch's threads (its OpenMP team,
@@ -274,6 +402,7 @@ def _native_decode(
         seq_lens.numpy(),
         scale,
         torch.get_num_threads(),
+        window,
     )
     return out.to(q.dtype)
 
@@ -294,7 +423,12 @@ def _torch_decode(
 
 
 def _torch_decode_group(
-    q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One group's decodes in one batched SDPA. The query heads that share a KV head
     are laid out as that head's query rows ([B, Hkv, group, D]), so grouped-query
@@ -310,9 +444,11 @@ def _torch_decode_group(
     kv = gathered.view(2, batch, -1, num_kv_heads, head_dim)[:, :, : group.max_len]
     kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, Hkv, L, D]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q, kv[0], kv[1], attn_mask=group.mask_as(q.dtype), scale=scale
-    )
+    mask = group.mask_as(q.dtype) if window is None else group.window_mask_as(window, q.dtype)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
+    else:
+        out = _softcapped(q, kv[0], kv[1], mask, scale, softcap)
     return out.reshape(batch, num_heads * head_dim)
 
 

@@ -4,6 +4,9 @@ The module takes a flattened batch (every sequence's tokens of this step, one af
 another) and the paged KV cache; see `asyncllm.models.attention` for the layout.
 q/k/v and gate/up projections are fused at load time; `weight_sources` tells the
 loader which Hugging Face tensors make up each fused parameter.
+
+The other families (qwen3, phi3, moe, gemma) subclass these classes and override
+the hooks `make_layer`, `make_mlp` and the attention's options rather than copy them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.models.attention import AttentionMetadata, paged_attention
+from asyncllm.models.hf_config import layer_windows
 from asyncllm.models.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -25,17 +29,40 @@ from asyncllm.models.layers import (
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with a fused q/k/v projection."""
+    """Grouped-query self-attention with a fused q/k/v projection.
+
+    Options the other families turn on: `qk_norm` (a per-head norm module class
+    applied to q and k before the rotation: Qwen3, Gemma 3), `window` (sliding-window
+    attention over the last `window` positions), `softcap` (attention logit
+    soft-capping: Gemma 2), `scale` (Gemma's query_pre_attn_scalar) and
+    `rotary_dim` < head_dim (partial rotary: Phi-3)."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        *,
+        qk_norm: Any = None,
+        norm_eps: float = 1e-6,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.softcap = softcap
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.q_norm = None if qk_norm is None else qk_norm(head_dim, norm_eps)
+        self.k_norm = None if qk_norm is None else qk_norm(head_dim, norm_eps)
 
     def forward(
         self,
@@ -49,24 +76,35 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Rotate q and k together: one kernel per op instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rotary(qk, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
+            )
+        if self.rotary_dim == self.head_dim:
+            qk = apply_rotary(qk, cos, sin)
+        else:
+            rot = apply_rotary(qk[..., : self.rotary_dim], cos, sin)
+            qk = torch.cat((rot, qk[..., self.rotary_dim :]), dim=-1)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if self.window is None and self.softcap is None:
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = paged_attention(
+                q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+            )
         return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, cfg: Any, head_dim: int, bias: bool) -> None:
+    def __init__(self, attn: LlamaAttention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(
-            cfg.hidden_size, cfg.num_attention_heads, _num_kv_heads(cfg), head_dim, bias
-        )
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(
         self,
@@ -84,14 +122,12 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache (the model runner's contract)."""
 
     attention_bias = False  # Qwen2 turns this on: biases on q, k and v
+    qk_norm: Any = None  # Qwen3: RMSNorm per head on q and k
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         cfg = hf_config
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            from asyncllm.errors import ModelLoadError
-
-            raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
+        self.check_config(cfg)
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
         self.num_layers: int = cfg.num_hidden_layers
@@ -99,26 +135,57 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads: int = _num_kv_heads(cfg)
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.tie_word_embeddings: bool = bool(getattr(cfg, "tie_word_embeddings", False))
-        bias = bool(getattr(cfg, "attention_bias", False)) or self.attention_bias
-        # Mistral v0.1 attends to the last `sliding_window` keys only; this model attends
-        # to all, which is the same up to that length: the runner caps max_model_len here.
-        window = getattr(cfg, "sliding_window", None)
-        use_window = getattr(cfg, "use_sliding_window", True)
-        self.sliding_window: int | None = int(window) if window and use_window else None
+        # Per layer: the sliding window it attends within, or None (every position).
+        self.layer_windows: list[int | None] = layer_windows(cfg)
 
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, bias) for _ in range(self.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg)
-        )
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(self.num_layers))
+        self.norm = self.make_norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = self.make_rotary(cfg)
         self.lm_head = (
             None
             if self.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    # Hooks the other families override.
+    def check_config(self, cfg: Any) -> None:
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            from asyncllm.errors import ModelLoadError
+
+            raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
+
+    def make_norm(self, size: int, eps: float) -> nn.Module:
+        return RMSNorm(size, eps)
+
+    def make_attention(self, cfg: Any, layer: int) -> LlamaAttention:
+        # Qwen2-MoE names its q/k/v bias `qkv_bias`.
+        bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
+        bias = bias or self.attention_bias
+        return LlamaAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            bias,
+            qk_norm=self.qk_norm,
+            norm_eps=cfg.rms_norm_eps,
+            window=self.layer_windows[layer],
+        )
+
+    def make_mlp(self, cfg: Any, layer: int) -> nn.Module:
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def make_layer(self, cfg: Any, layer: int) -> nn.Module:
+        return LlamaDecoderLayer(
+            self.make_attention(cfg, layer),
+            self.make_mlp(cfg, layer),
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+        )
+
+    def make_rotary(self, cfg: Any) -> RotaryEmbedding:
+        return RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
 
     def forward(
         self,
@@ -143,18 +210,21 @@ class LlamaForCausalLM(nn.Module):
         """Our parameter name -> the checkpoint tensors concatenated (dim 0) to make it."""
         sources: dict[str, list[str]] = {}
         for name, _ in self.named_parameters():
-            prefix, _, leaf = name.rpartition(".")
-            if prefix.endswith("qkv_proj"):
-                base = prefix[: -len("qkv_proj")]
-                sources[name] = [f"model.{base}{p}_proj.{leaf}" for p in "qkv"]
-            elif prefix.endswith("gate_up_proj"):
-                base = prefix[: -len("gate_up_proj")]
-                sources[name] = [f"model.{base}{p}_proj.{leaf}" for p in ("gate", "up")]
-            elif name.startswith("lm_head."):
-                sources[name] = [name]
-            else:
-                sources[name] = [f"model.{name}"]
+            sources[name] = self.weight_source(name)
         return sources
+
+    def weight_source(self, name: str) -> list[str]:
+        """The checkpoint tensors of one parameter (see `weight_sources`)."""
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("qkv_proj"):
+            base = prefix[: -len("qkv_proj")]
+            return [f"model.{base}{p}_proj.{leaf}" for p in "qkv"]
+        if prefix.endswith("gate_up_proj"):
+            base = prefix[: -len("gate_up_proj")]
+            return [f"model.{base}{p}_proj.{leaf}" for p in ("gate", "up")]
+        if name.startswith("lm_head."):
+            return [name]
+        return [f"model.{name}"]
 
     def init_buffers(self) -> None:
         """Compute the non-weight buffers once the weights are materialized."""

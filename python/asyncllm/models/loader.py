@@ -87,6 +87,15 @@ def load_model(
         for name, param in params.items():
             parts = [read(src) for src in sources[name]]
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            # Stacked experts: per-expert [rows, cols] tensors make [E, rows', cols].
+            if (
+                tensor.shape != param.shape
+                and param.dim() == 3
+                and len(parts) > 1
+                and tensor.numel() == param.numel()
+                and tensor.shape[-1] == param.shape[-1]
+            ):
+                tensor = tensor.view(param.shape)
             if tensor.shape != param.shape:
                 raise ModelLoadError(
                     f"tensor {', '.join(sources[name])} has shape {tuple(tensor.shape)}, "

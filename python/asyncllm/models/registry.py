@@ -13,11 +13,19 @@ from asyncllm.errors import ModelLoadError
 if TYPE_CHECKING:
     from asyncllm.models.llama import LlamaForCausalLM
 
-# Every supported family is a LlamaForCausalLM variant: one forward, one interface.
+# Architecture -> (module under asyncllm.models, class). Every class is a
+# LlamaForCausalLM variant: one forward, one interface for the runner.
 _ARCHITECTURES = {
-    "LlamaForCausalLM": "LlamaForCausalLM",
-    "MistralForCausalLM": "LlamaForCausalLM",
-    "Qwen2ForCausalLM": "Qwen2ForCausalLM",
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 
 
@@ -43,7 +51,7 @@ def check_architecture(architectures: Any) -> str:
 
 def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """The class that serves `hf_config`, or ModelLoadError naming what is supported."""
-    from asyncllm.models import llama
+    import importlib
 
-    name = _ARCHITECTURES[check_architecture(getattr(hf_config, "architectures", None))]
-    return getattr(llama, name)  # type: ignore[no-any-return]
+    module, name = _ARCHITECTURES[check_architecture(getattr(hf_config, "architectures", None))]
+    return getattr(importlib.import_module(f"asyncllm.models.{module}"), name)  # type: ignore[no-any-return]
