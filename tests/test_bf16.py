@@ -127,9 +127,9 @@ def test_lm_head_runs_only_for_sampled_rows_in_the_model_dtype(model_dir: Path) 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     long = NewRequestData(0, list(range(3, 43)), 40, params, [0, 1, 2], 0, frozenset())
     short = NewRequestData(1, list(range(5, 13)), 8, params, [3], 0, frozenset())
-    out = runner.execute_model(SchedulerOutput([long, short], {}, {0: 16, 1: 8}, 24))
+    out = runner.execute_model(SchedulerOutput([long, short], {}, {0: 16, 1: 8}, 24)).resolved()
     assert set(out.sampled) == {1}  # the 16-token chunk of 40 samples nothing
     assert calls == [(1, torch.bfloat16, torch.float32)]
-    out = runner.execute_model(SchedulerOutput([], {}, {1: 1, 0: 24}, 25))
+    out = runner.execute_model(SchedulerOutput([], {}, {1: 1, 0: 24}, 25)).resolved()
     assert set(out.sampled) == {0, 1}
     assert calls[1] == (2, torch.bfloat16, torch.float32)
