@@ -199,17 +199,16 @@ pub fn paged_decode_attention<T: BlockIndex, L: BlockIndex, E: KvElem>(
     num_threads: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    run(
+    paged_decode_attention_windowed(
         shape,
         q,
         kv_cache,
         block_tables,
         seq_lens,
         scale,
+        0,
         num_threads,
         out,
-        Isa::detect::<E>()?,
-        0,
     )
 }
 
