@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
@@ -90,6 +91,13 @@ class EngineArgs:
     # to the same core (its prefix cache may hold it) unless that core is busier
     # than the least-loaded one by more than a small margin.
     prefix_aware_routing: bool = False
+    # Where data-parallel cores run: "mp", child processes on this machine over ipc
+    # sockets; "ray", Ray actors spread over a Ray cluster's nodes, reaching this
+    # process over TCP secured with CURVE (engine/ray_launcher.py, engine/curve.py).
+    data_parallel_backend: str = "mp"
+    # With "ray": the address this process listens on for the cores, never all
+    # interfaces by default (None: this node's IP as Ray reports it).
+    data_parallel_address: str | None = None
     # torch's threads in the engine core (the model and the sampler kernel). None:
     # torch's default (one per physical core), shared out among data-parallel cores.
     num_threads: int | None = None
@@ -162,6 +170,22 @@ class EngineArgs:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.prefix_aware_routing, bool):
             raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise _fail(
+                "data_parallel_backend",
+                self.data_parallel_backend,
+                f"one of {', '.join(DATA_PARALLEL_BACKENDS)}",
+            )
+        if self.data_parallel_address is not None and not (
+            isinstance(self.data_parallel_address, str)
+            and 0 < len(self.data_parallel_address) <= 255
+            and self.data_parallel_address not in ("*", "0.0.0.0", "::")
+        ):
+            raise _fail(
+                "data_parallel_address",
+                self.data_parallel_address,
+                "None or one interface's host name or IP address (not all interfaces)",
+            )
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""

@@ -43,7 +43,9 @@ from asyncllm import _core, envs
 from asyncllm.config import EngineArgs
 from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
+from asyncllm.engine import curve
 from asyncllm.engine.core import EngineCore, build_engine_core
+from asyncllm.engine.curve import ClientKeys
 from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError
@@ -75,9 +77,11 @@ class EngineCoreProc:
         input_addr: str,
         output_addr: str,
         context: zmq.Context | None = None,
+        keys: ClientKeys | None = None,
     ) -> None:
         self.args = args
         self.ctx = context or zmq.Context.instance()
+        self._keys = keys  # CURVE keys where the front end is reached over TCP (Ray)
         self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue(_INPUT_QUEUE_SIZE)
         self.output_queue: queue.Queue[Any] = queue.Queue(_OUTPUT_QUEUE_SIZE)
         # Per step with outputs: the cost of handing them to the output thread
@@ -320,6 +324,8 @@ class EngineCoreProc:
     def _input_loop(self, addr: str) -> None:
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            curve.connect(sock, self._keys)
         sock.connect(addr)
         core = self.core
         assert core is not None
@@ -361,6 +367,8 @@ class EngineCoreProc:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if self._keys is not None:
+            curve.connect(sock, self._keys)
         sock.connect(addr)
         get = self.output_queue.get
         try:
@@ -489,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_parent, name="parent-watch", daemon=True).start()
     proc = None
     try:
-        proc = EngineCoreProc(EngineArgs.from_json(opts.engine_args), opts.input, opts.output)
+        keys = curve.take_client_keys()
+        proc = EngineCoreProc(
+            EngineArgs.from_json(opts.engine_args), opts.input, opts.output, keys=keys
+        )
         proc.run_busy_loop()  # reports its own failures, and those of the IO threads
         return 0 if proc.failure is None else 1
     except BaseException:  # start-up: the constructor has reported it

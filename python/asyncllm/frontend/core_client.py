@@ -26,10 +26,13 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from asyncllm import _core
 from asyncllm.config import EngineArgs
+from asyncllm.engine import curve
 from asyncllm.engine.launcher import CoreProcess
+from asyncllm.engine.ray_launcher import RayCoreProcess, bind_host
 from asyncllm.errors import EngineDeadError, EngineStartupError
 from asyncllm.tracing import Tracer, now_ns
 
@@ -69,21 +72,33 @@ class MPClient:
         self.dead: EngineDeadError | None = None
         self._last_error: str | None = None
         self.ctx = zmq.Context()
-        self.process: CoreProcess | None = None
+        self.process: CoreProcess | RayCoreProcess | None = None
         self._core_thread: threading.Thread | None = None
+        self._auth: ThreadAuthenticator | None = None
+        keys: curve.ServerKeys | None = None
         if in_thread:
             name = uuid.uuid4().hex
             input_addr, output_addr = f"inproc://{name}-in", f"inproc://{name}-out"
+        elif args.data_parallel_backend == "ray":  # over TCP: CURVE on both sockets
+            keys = curve.ServerKeys.generate()
+            self.process = RayCoreProcess(args, keys.client, bind_host(args))
+            self._auth = curve.start_authenticator(self.ctx, keys)
+            input_addr, output_addr = self.process.input_addr, self.process.output_addr
         else:
             self.process = CoreProcess(args)
             input_addr, output_addr = self.process.input_addr, self.process.output_addr
         self._input = self.ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_addr)
         self._output = self.ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_addr)
         try:
+            for sock, addr in ((self._input, input_addr), (self._output, output_addr)):
+                if keys is not None:
+                    curve.serve(sock, keys)
+                sock.bind(addr)
+            if isinstance(self.process, RayCoreProcess):  # the ports ZMQ chose
+                self.process.input_addr = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.process.output_addr = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
             if self.process is not None:
                 self.process.start()
             else:
@@ -330,6 +345,8 @@ class MPClient:
             self._sender.join(timeout=1.0)
         self._input.close(linger=0)
         self._output.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
         self._closed = True
 

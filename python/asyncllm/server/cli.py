@@ -14,7 +14,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.config import DEVICES, DTYPES, EXECUTORS, KV_CACHE_DTYPES, EngineArgs
+from asyncllm.config import (
+    DATA_PARALLEL_BACKENDS,
+    DEVICES,
+    DTYPES,
+    EXECUTORS,
+    KV_CACHE_DTYPES,
+    EngineArgs,
+)
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import AsyncLLMError, ConfigError
 
@@ -37,6 +44,10 @@ ENGINE_HELP: dict[str, str] = {
     "null_step_delay_ms": "simulated step time of the null executor, in ms",
     "data_parallel_size": "engine cores behind one front end, each a whole engine (model copy,"
     " KV cache, scheduler); requests go to the least-loaded",
+    "data_parallel_backend": "where the engine cores run: 'mp', child processes here;"
+    " 'ray', Ray actors across the nodes of a Ray cluster (pip install 'asyncllm[ray]')",
+    "data_parallel_address": "with --data-parallel-backend ray: the address to listen on"
+    " for the cores (default: this node's IP as Ray reports it; never all interfaces)",
     "num_threads": "torch threads of each engine core (default: one per physical core,"
     " shared out among data-parallel cores)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
@@ -56,6 +67,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "device": DEVICES,
     "executor": EXECUTORS,
+    "data_parallel_backend": DATA_PARALLEL_BACKENDS,
 }
 
 
