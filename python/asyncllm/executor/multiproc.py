@@ -124,7 +124,7 @@ class MultiprocExecutor:
     def join(self, num_blocks: int) -> int:
         """Wait until every worker is ready, join the group, and return the KV
         block count all ranks can hold (the smallest)."""
-        self._wait_ready(STARTUP_TIMEOUT_S)
+        self.wait_ready(STARTUP_TIMEOUT_S)
         group = init_group(os.path.join(self.dir, STORE_FILE), 0, self.size, self.config.device)
         agreed = torch.tensor([num_blocks], dtype=torch.int64)
         torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=group)
@@ -136,7 +136,9 @@ class MultiprocExecutor:
         self._watchdog.start()
         return int(agreed.item())
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every worker has loaded its shard; EngineStartupError with
+        the rank's own error text if one fails (or `timeout` passes)."""
         deadline = time.monotonic() + timeout
         while not all(w.ready for w in self.workers):
             left = deadline - time.monotonic()
@@ -312,10 +314,14 @@ def build_tp_runner(config: EngineConfig, hf_config: Any) -> TPModelRunner:
     executor = MultiprocExecutor(config)
     try:
         executor.start()
-        set_tensor_parallel(0, executor.size)
         torch.set_num_threads(threads_per_rank(config))
-        return TPModelRunner(config, hf_config, executor)
+        # the sharded layers read it while the model is built (and only then: an
+        # engine built later in this process with one rank builds whole layers)
+        set_tensor_parallel(0, executor.size)
+        try:
+            return TPModelRunner(config, hf_config, executor)
+        finally:
+            set_tensor_parallel(0, 1)
     except BaseException:
         executor.shutdown()
-        set_tensor_parallel(0, 1)
         raise
