@@ -99,12 +99,18 @@ def test_two_ranks_give_one_ranks_and_transformers_tokens(name, tmp_path):
                 assert abs(la[token].logprob - lb[token].logprob) < 1e-4
 
 
-def _children(pid: int) -> list[int]:
+def _workers(pid: int) -> list[int]:
+    """The live tensor-parallel worker processes started by process `pid`."""
     kids: list[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{tid}/children") as f:
             kids += [int(x) for x in f.read().split()]
-    return kids
+    found = []
+    for kid in kids:
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"asyncllm.executor.worker_proc" in f.read() and _alive(kid):
+                found.append(kid)
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -130,17 +136,20 @@ def llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("victim", ["worker", "core"])
 def test_a_dead_rank_is_a_dead_engine_and_no_worker_outlives_the_core(llama_dir, victim):
+    """A killed worker: the core (here in a thread of this process) fails every
+    request; a killed core (its own process): its worker exits within 5 s."""
     args = EngineArgs(model=str(llama_dir), dtype="float32", tensor_parallel_size=2)
 
     async def run() -> None:
-        engine = AsyncLLM.from_engine_args(args)
+        engine = AsyncLLM.from_engine_args(args, multiprocess=victim == "core")
         process = engine.client.process
+        core_pid = os.getpid() if process is None else process.pid
         try:
             tasks = [asyncio.create_task(_stream(engine, [5 + i, 6, 7], f"k{i}")) for i in range(4)]
             await asyncio.sleep(1.0)
-            workers = _children(process.pid)
+            workers = _workers(core_pid)
             assert len(workers) == 1, workers
-            os.kill(workers[0] if victim == "worker" else process.pid, signal.SIGKILL)
+            os.kill(workers[0] if victim == "worker" else core_pid, signal.SIGKILL)
             t0 = time.monotonic()
             results = await asyncio.wait_for(
                 asyncio.gather(*tasks, return_exceptions=True), timeout=10
