@@ -1,17 +1,23 @@
 """Rank 0 -> workers: each step's model inputs, once per step, without pickle.
 
-A step is two gloo broadcasts on the step group (host tensors, also under NCCL):
+A step is one gloo broadcast on the step group (host tensors, also under
+NCCL) of a fixed-size int64 buffer: a header and, when it fits in `INLINE`
+values (a 256-request decode step with ~100 tokens of context each does), the
+payload; a larger payload follows in a second broadcast of its exact size.
 
     header   int64[8]: kind, num_tokens T, num_seqs n, block-table width nb,
-             sampled rows s, extra-logits flag, extra rows, 0
+             sampled rows s, extra-logits flag, extra rows, payload inline
     payload  int64[3T + 2n + n * nb + s]: input ids [T], positions [T], query
              lengths [n], context lengths [n], block tables [n, nb], slot
              mapping [T], the rows whose logits are sampled [s]
 
-which is exactly what rank 0's runner feeds `build_attention_metadata` and the
-model, so every rank builds the same metadata and runs the same forward pass
-(benches/bench_parallel.py measures this against a 256-request step). Logits are
-computed for the sampled rows only and gathered to rank 0.
+One message, not a header then a payload: each broadcast is a wake-up of every
+worker, which on a busy CPU costs more than copying 32 KB
+(benches/bench_parallel.py, tp-comm). No pickle, no per-request Python: the
+payload is the runner's own numpy arrays, concatenated: exactly what rank 0's
+runner feeds `build_attention_metadata` and the model, so every rank builds the
+same metadata and runs the same forward pass. Logits are computed for the
+sampled rows only and gathered to rank 0.
 
 Prompt logprobs score more rows than the sampled ones, from runner state the
 workers do not keep; with the extra-logits flag set, each further
@@ -29,6 +35,7 @@ import torch.distributed as dist
 
 STEP, LOGITS, END_LOGITS, STOP = 1, 2, 3, 4
 HEADER_LEN = 8
+INLINE = 4096  # payload values carried in the header's broadcast (32 KB in all)
 
 
 class StepSender:
@@ -38,8 +45,8 @@ class StepSender:
         self.group = group
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        self._h = self._header.numpy()
+        self._buf = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
+        self._a = self._buf.numpy()
         # within a step with prompt logprobs: compute_logits calls go to the workers
         self.extra_logits = False
 
@@ -54,32 +61,31 @@ class StepSender:
         sample_rows: np.ndarray,
         extra_logits: bool,
     ) -> None:
-        h = self._h
-        h[0], h[1], h[2], h[3] = STEP, len(input_ids), len(query_lens), block_tables.shape[1]
-        h[4], h[5] = len(sample_rows), extra_logits
-        payload = np.concatenate(
-            (
-                input_ids,
-                positions,
-                query_lens,
-                context_lens,
-                block_tables.ravel(),
-                slot_mapping,
-                sample_rows,
-            ),
-            dtype=np.int64,
-            casting="unsafe",
+        t, n, nb, s = len(input_ids), len(query_lens), block_tables.shape[1], len(sample_rows)
+        size = 3 * t + 2 * n + n * nb + s
+        parts = (
+            input_ids,
+            positions,
+            query_lens,
+            context_lens,
+            block_tables.ravel(),
+            slot_mapping,
+            sample_rows,
         )
-        dist.broadcast(self._header, 0, group=self.group)
-        dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
+        a = self._a
+        a[:HEADER_LEN] = (STEP, t, n, nb, s, extra_logits, 0, size <= INLINE)
+        if size <= INLINE:
+            np.concatenate(parts, out=a[HEADER_LEN : HEADER_LEN + size], casting="unsafe")
+            dist.broadcast(self._buf, 0, group=self.group)
+        else:
+            payload = np.concatenate(parts, dtype=np.int64, casting="unsafe")
+            dist.broadcast(self._buf, 0, group=self.group)
+            dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
         self.extra_logits = extra_logits
 
     def send_rows(self, hidden: torch.Tensor) -> None:
         """Before an extra `compute_logits(hidden)` on rank 0: the workers' copy."""
-        h = self._h
-        h[:] = 0
-        h[0], h[6] = LOGITS, hidden.shape[0]
-        dist.broadcast(self._header, 0, group=self.group)
+        self._send_kind(LOGITS, hidden.shape[0])
         rows = hidden.detach().to("cpu", self.dtype).contiguous()
         dist.broadcast(rows, 0, group=self.group)
 
@@ -92,10 +98,9 @@ class StepSender:
     def stop(self) -> None:
         self._send_kind(STOP)
 
-    def _send_kind(self, kind: int) -> None:
-        self._h[:] = 0
-        self._h[0] = kind
-        dist.broadcast(self._header, 0, group=self.group)
+    def _send_kind(self, kind: int, rows: int = 0) -> None:
+        self._a[:HEADER_LEN] = (kind, 0, 0, 0, 0, 0, rows, 0)
+        dist.broadcast(self._buf, 0, group=self.group)
 
 
 class StepReceiver:
@@ -105,19 +110,24 @@ class StepReceiver:
         self.group = group
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        self._buf = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
+        self._a = self._buf.numpy()
 
     def recv_header(self) -> list[int]:
-        dist.broadcast(self._header, 0, group=self.group)
-        return self._header.tolist()  # type: ignore[no-any-return]
+        dist.broadcast(self._buf, 0, group=self.group)
+        return self._a[:HEADER_LEN].tolist()  # type: ignore[no-any-return]
 
     def recv_step(self, header: list[int]) -> tuple[np.ndarray, ...]:
         """(input ids, positions, query lens, context lens, block tables, slots,
         sampled rows) as rank 0 sent them."""
         _, t, n, nb, s = header[:5]
-        payload = torch.empty(3 * t + 2 * n + n * nb + s, dtype=torch.int64)
-        dist.broadcast(payload, 0, group=self.group)
-        a = payload.numpy()
+        size = 3 * t + 2 * n + n * nb + s
+        if header[7]:
+            a = self._a[HEADER_LEN : HEADER_LEN + size].copy()
+        else:
+            payload = torch.empty(size, dtype=torch.int64)
+            dist.broadcast(payload, 0, group=self.group)
+            a = payload.numpy()
         ends = np.cumsum([t, t, n, n, n * nb, t, s])
         ids, pos, q, ctx, bt, slots, rows, _ = np.split(a, ends)
         return ids, pos, q, ctx, bt.reshape(n, nb), slots, rows
