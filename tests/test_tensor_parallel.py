@@ -70,11 +70,18 @@ def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
 
 def _run(model_dir: Path, tp: int, waves: tuple[list[list[int]], ...]) -> tuple[list, dict]:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    # the last prompt also asks for prompt logprobs: more logits than the sampled rows'
+    scored = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
     llm = LLM(str(model_dir), multiprocess=False, tensor_parallel_size=tp, **ENGINE)
     core = llm.engine.core
     assert core is not None
     try:
-        outputs = [o for wave in waves for o in llm.generate(wave, params, use_tqdm=False)]
+        outputs = []
+        for wave in waves:
+            wave_params = [params] * (len(wave) - 1) + [scored if len(wave) > 1 else params]
+            outputs += llm.generate(wave, wave_params, use_tqdm=False)
         stats = core.stats()
         return outputs, {"preemptions": stats.num_preemptions, "hits": stats.prefix_cache_hits}
     finally:
@@ -92,8 +99,11 @@ def test_two_ranks_give_one_ranks_and_transformers_tokens(name, tmp_path):
     assert [o.outputs[0].token_ids for o in two] == expected
     assert [o.outputs[0].token_ids for o in one] == expected
     assert stats["preemptions"] > 0 and stats["hits"] > 0, stats
-    for a, b in zip(one, two, strict=True):
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+    assert two[-1].prompt_logprobs is not None
+    pairs = [(a.outputs[0].logprobs, b.outputs[0].logprobs) for a, b in zip(one, two, strict=True)]
+    pairs.append((one[-1].prompt_logprobs[1:], two[-1].prompt_logprobs[1:]))
+    for a, b in pairs:
+        for la, lb in zip(a, b, strict=True):
             assert la.keys() == lb.keys()
             for token in la:
                 assert abs(la[token].logprob - lb[token].logprob) < 1e-4
