@@ -24,7 +24,10 @@ pytestmark = pytest.mark.timeout(240)
 
 CONFIGS = {
     "llama-gqa": dict(arch="llama", tokenizer="llama-2"),  # 4 query heads, 2 KV heads
-    "qwen2-bias-tied": dict(arch="qwen2", tokenizer="qwen2.5", tie_word_embeddings=True),
+    # an odd vocabulary: the last rank's embedding and LM-head shard is padded
+    "qwen2-bias-tied": dict(
+        arch="qwen2", tokenizer="llama-2", tie_word_embeddings=True, vocab_size=32001
+    ),
     "fewer-kv-heads-than-ranks": dict(arch="llama", tokenizer="llama-2", num_key_value_heads=1),
 }
 # A small KV pool and step budget: long prompts are chunked, requests are
