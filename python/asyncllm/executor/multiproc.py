@@ -290,6 +290,10 @@ class TPModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, hf_config: Any, executor: MultiprocExecutor) -> None:
         self.executor = executor
         super().__init__(config, hf_config, tp=executor)
+        # The step message carries the input ids from the host: with overlap
+        # scheduling, sampled tokens must reach it before the next step is built
+        # (not be patched in on the device, where the workers cannot see them).
+        self._defer_tokens = False
 
     def execute_model(self, so: Any) -> ModelRunnerOutput:
         executor = self.executor
