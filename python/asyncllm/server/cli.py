@@ -38,7 +38,8 @@ ENGINE_HELP: dict[str, str] = {
     "data_parallel_size": "engine cores behind one front end, each a whole engine (model copy,"
     " KV cache, scheduler); requests go to the least-loaded",
     "tensor_parallel_size": "shard the model over this many processes of each engine core"
-    " (Llama, Mistral, Qwen2; gloo on the CPU, NCCL on CUDA)",
+    " (Llama, Mistral, Qwen2; gloo on the CPU, NCCL on CUDA); each rank runs --num-threads"
+    " threads, by default the CPUs shared out among the ranks",
     "num_threads": "torch threads of each engine core (default: one per physical core,"
     " shared out among data-parallel cores)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
