@@ -60,9 +60,11 @@ def close_group() -> None:
         dist.destroy_process_group()
 
 
-def threads_per_rank(config: EngineConfig) -> int:
+def threads_per_rank(config: EngineConfig) -> int | None:
     """`num_threads`, else the machine's CPUs shared out among the ranks (torch's
-    default, one per core, would make N ranks fight over the same cores)."""
-    if config.num_threads is not None:
+    default, one per core, would make N ranks fight over the same cores), unless
+    OMP_NUM_THREADS says how many (None: torch's default then), as for
+    data-parallel cores."""
+    if config.num_threads is not None or os.environ.get("OMP_NUM_THREADS"):
         return config.num_threads
     return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)

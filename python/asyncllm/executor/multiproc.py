@@ -318,7 +318,9 @@ def build_tp_runner(config: EngineConfig, hf_config: Any) -> TPModelRunner:
     executor = MultiprocExecutor(config)
     try:
         executor.start()
-        torch.set_num_threads(threads_per_rank(config))
+        threads = threads_per_rank(config)
+        if threads is not None:
+            torch.set_num_threads(threads)
         # the sharded layers read it while the model is built (and only then: an
         # engine built later in this process with one rank builds whole layers)
         set_tensor_parallel(0, executor.size)

@@ -72,7 +72,9 @@ def run_worker(config: EngineConfig, rank: int, size: int, store: str, status_fd
     if device.type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    torch.set_num_threads(threads_per_rank(config))
+    threads = threads_per_rank(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
     set_tensor_parallel(rank, size)
     model = load_model(config.model, load_hf_config(config.model), config.torch_dtype, device)
     num_blocks = num_kv_blocks_for(config, model)
