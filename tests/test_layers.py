@@ -1,5 +1,5 @@
-"""The package imports downward only: server -> frontend -> engine -> core/worker ->
-models, and the top-level leaf modules (messages, config, tokenizer_files, errors,
+"""The package imports downward only: server -> frontend -> engine -> executor ->
+core/worker -> models, and the top-level leaf modules (messages, config, tokenizer_files, errors,
 ...) import nothing but other leaves. Checked on the source, lazy and
 TYPE_CHECKING imports included, so an upward import cannot hide in a function."""
 
@@ -10,7 +10,15 @@ from pathlib import Path
 
 import asyncllm
 
-RANKS = {"server": 5, "frontend": 4, "engine": 3, "core": 2, "worker": 2, "models": 1}
+RANKS = {
+    "server": 6,
+    "frontend": 5,
+    "engine": 4,
+    "executor": 3,
+    "core": 2,
+    "worker": 2,
+    "models": 1,
+}
 # The one sideways import allowed: the runners read the scheduler's plan.
 SIDEWAYS = {("worker", "core")}
 PACKAGE = Path(asyncllm.__file__).parent

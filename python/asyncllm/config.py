@@ -26,6 +26,7 @@ EXECUTORS = ("torch", "null")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
+_MAX_TENSOR_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
 _DEFAULT_CUDA_KV_FRACTION = 0.8
 
@@ -98,6 +99,10 @@ class EngineArgs:
     # With "ray": the address this process listens on for the cores, never all
     # interfaces by default (None: this node's IP as Ray reports it).
     data_parallel_address: str | None = None
+    # Tensor parallelism: the model's layers sharded over this many processes of
+    # one engine core (rank 0 in the core, the others workers it starts; asyncllm.
+    # executor), torch.distributed with gloo on the CPU, NCCL on CUDA.
+    tensor_parallel_size: int = 1
     # torch's threads in the engine core (the model and the sampler kernel). None:
     # torch's default (one per physical core), shared out among data-parallel cores.
     num_threads: int | None = None
@@ -166,6 +171,9 @@ class EngineArgs:
         if not isinstance(self.collect_step_timings, bool):
             raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
         _check_int("data_parallel_size", self.data_parallel_size, 1, _MAX_DATA_PARALLEL)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, _MAX_TENSOR_PARALLEL)
+        if self.tensor_parallel_size > 1 and self.executor == "null":
+            raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 with executor='null'")
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.prefix_aware_routing, bool):
@@ -264,6 +272,7 @@ class EngineArgs:
             profile_dir=self.profile_dir,
             collect_step_timings=self.collect_step_timings,
             num_threads=self.num_threads,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
@@ -292,6 +301,7 @@ class EngineConfig:
     profile_dir: str | None = None
     collect_step_timings: bool = False
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

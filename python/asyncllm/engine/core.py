@@ -52,6 +52,10 @@ class EngineCore:
         self.runner: ModelRunner | NullModelRunner
         if config.executor == "null":
             self.runner = NullModelRunner(config, hf_config)
+        elif config.tensor_parallel_size > 1:  # rank 0 here, the others in workers
+            from asyncllm.executor.multiproc import build_tp_runner
+
+            self.runner = build_tp_runner(config, hf_config)
         else:
             from asyncllm.worker.model_runner import ModelRunner  # the torch model stack
 
@@ -275,9 +279,12 @@ class EngineCore:
             self._set_recorder()
 
     def close(self) -> None:
-        """Write the trace (if any) for the last time."""
+        """Write the trace (if any) for the last time; stop tensor-parallel workers."""
         if self.tracer is not None:
             self.tracer.close()
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
 
 def build_engine_core(args: EngineArgs) -> EngineCore:

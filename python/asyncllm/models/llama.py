@@ -11,7 +11,7 @@ the hooks `make_layer`, `make_mlp` and the attention's options rather than copy 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,10 @@ from asyncllm.models.layers import (
     apply_rotary,
     rope_parameters,
 )
+from asyncllm.models.parallel_state import tensor_parallel
+
+if TYPE_CHECKING:
+    from asyncllm.models.parallel_layers import TPLayout, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -137,16 +141,53 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings: bool = bool(getattr(cfg, "tie_word_embeddings", False))
         # Per layer: the sliding window it attends within, or None (every position).
         self.layer_windows: list[int | None] = layer_windows(cfg)
+        # Tensor parallelism (models/parallel_layers.py): this rank's share of the
+        # heads, MLP columns and vocabulary; None on one rank, whose path is untouched.
+        self.tp: TPLayout | None = self._tp_layout(cfg)
+        if self.tp is not None:
+            self.num_kv_heads = self.tp.num_kv_heads  # what this rank's KV cache holds
 
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = self._make_embedding(cfg)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(self.num_layers))
         self.norm = self.make_norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = self.make_rotary(cfg)
+        vocab_rows = cfg.vocab_size if self.tp is None else self.tp.vocab_per_rank
         self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         )
+        if self.tp is not None:  # an instance attribute: one rank keeps the plain method
+            self.compute_logits = self._compute_logits_tp  # type: ignore[method-assign]
+
+    # Tensor parallelism: the classes whose layers have been checked sharded.
+    def _tp_layout(self, cfg: Any) -> TPLayout | None:
+        tp = tensor_parallel()
+        if tp.size == 1:
+            return None
+        from asyncllm.errors import ModelLoadError
+        from asyncllm.models.parallel_layers import TPLayout
+
+        if type(self) not in (LlamaForCausalLM, Qwen2ForCausalLM):
+            raise ModelLoadError(
+                f"EngineArgs.tensor_parallel_size={tp.size}: {type(self).__name__} has no "
+                "tensor-parallel layers (Llama, Mistral and Qwen2 have); use 1"
+            )
+        return TPLayout.of(cfg, self.num_kv_heads, tp.rank, tp.size)
+
+    def _make_embedding(self, cfg: Any) -> nn.Embedding | VocabParallelEmbedding:
+        if self.tp is None:
+            return nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        from asyncllm.models.parallel_layers import VocabParallelEmbedding
+
+        return VocabParallelEmbedding(self.tp.vocab_per_rank, cfg.hidden_size, self.tp.rank)
+
+    def _compute_logits_tp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`compute_logits` over the vocabulary shards: [n, vocab] on rank 0."""
+        from asyncllm.models.parallel_layers import gather_logits
+
+        assert self.tp is not None
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        local = F.linear(hidden, weight).float()
+        return gather_logits(local, self.vocab_size, self.tp.rank, self.tp.size)
 
     # Hooks the other families override.
     def check_config(self, cfg: Any) -> None:
@@ -162,9 +203,9 @@ class LlamaForCausalLM(nn.Module):
         # Qwen2-MoE names its q/k/v bias `qkv_bias`.
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False))
         bias = bias or self.attention_bias
-        return LlamaAttention(
+        attn = LlamaAttention(
             cfg.hidden_size,
-            cfg.num_attention_heads,
+            cfg.num_attention_heads if self.tp is None else self.tp.num_heads,
             self.num_kv_heads,
             self.head_dim,
             bias,
@@ -172,9 +213,20 @@ class LlamaForCausalLM(nn.Module):
             norm_eps=cfg.rms_norm_eps,
             window=self.layer_windows[layer],
         )
+        if self.tp is not None:
+            from asyncllm.models.parallel_layers import RowParallelLinear
+
+            attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size)
+        return attn
 
     def make_mlp(self, cfg: Any, layer: int) -> nn.Module:
-        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        if self.tp is None:
+            return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        from asyncllm.models.parallel_layers import RowParallelLinear
+
+        mlp = SwiGLUMLP(cfg.hidden_size, self.tp.intermediate)
+        mlp.down_proj = RowParallelLinear(self.tp.intermediate, cfg.hidden_size)
+        return mlp
 
     def make_layer(self, cfg: Any, layer: int) -> nn.Module:
         return LlamaDecoderLayer(

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from asyncllm.errors import ModelLoadError
 from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.parallel_layers import Shard, weight_shards
 from asyncllm.models.registry import get_model_class
 
 _INIT_FUNCTIONS = (
@@ -84,6 +85,10 @@ def load_model(
                 handles[file] = stack.enter_context(safe_open(path / file, framework="pt"))
             return handles[file].get_tensor(name)
 
+        if model.tp is not None:  # tensor parallelism: this rank's slices only
+            _load_shards(model, params, sources, handles, stack, locations, path)
+            model.init_buffers()  # type: ignore[operator]
+            return model.eval()
         for name, param in params.items():
             parts = [read(src) for src in sources[name]]
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
@@ -104,6 +109,53 @@ def load_model(
             param.copy_(tensor)
     model.init_buffers()  # type: ignore[operator]
     return model.eval()
+
+
+def _load_shards(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    sources: dict[str, list[str]],
+    handles: dict[str, Any],
+    stack: ExitStack,
+    locations: dict[str, str],
+    path: Path,
+) -> None:
+    """Fill a tensor-parallel rank's parameters from the slices it owns
+    (`safe_open(...).get_slice`: only those bytes are read). Vocabulary rows
+    past the end of the vocabulary (the last rank's padding) are zero."""
+    assert model.tp is not None
+
+    def read(shard: Shard) -> torch.Tensor:
+        file = locations.get(shard.source)
+        if file is None:
+            raise ModelLoadError(
+                f"tensor {shard.source!r} is missing from the checkpoint in {path}"
+            )
+        if file not in handles:
+            handles[file] = stack.enter_context(safe_open(path / file, framework="pt"))
+        tensor = handles[file].get_slice(shard.source)
+        if shard.dim is None:
+            return tensor[:]  # type: ignore[no-any-return]
+        if shard.dim == 0:
+            return tensor[shard.start : shard.stop]  # type: ignore[no-any-return]
+        return tensor[:, shard.start : shard.stop]  # type: ignore[no-any-return]
+
+    for name, param in params.items():
+        shards = weight_shards(name, sources[name], model.tp, model.head_dim, model.vocab_size)
+        parts = [read(shard) for shard in shards]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        rows = tensor.shape[0] if tensor.dim() else 0
+        padded = tensor.shape[1:] == param.shape[1:] and rows < param.shape[0]
+        if name.split(".")[0] in ("embed_tokens", "lm_head") and padded:
+            param.zero_()
+            param[:rows].copy_(tensor)
+            continue
+        if tensor.shape != param.shape:
+            raise ModelLoadError(
+                f"tensor {', '.join(sources[name])} (rank {model.tp.rank}'s slice) has shape "
+                f"{tuple(tensor.shape)}, the config implies {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
 
 
 def _tensor_locations(path: Path) -> dict[str, str]:

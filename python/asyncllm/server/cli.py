@@ -48,6 +48,9 @@ ENGINE_HELP: dict[str, str] = {
     " 'ray', Ray actors across the nodes of a Ray cluster (pip install 'asyncllm[ray]')",
     "data_parallel_address": "with --data-parallel-backend ray: the address to listen on"
     " for the cores (default: this node's IP as Ray reports it; never all interfaces)",
+    "tensor_parallel_size": "shard the model over this many processes of each engine core"
+    " (Llama, Mistral, Qwen2; gloo on the CPU, NCCL on CUDA); each rank runs --num-threads"
+    " threads, by default the CPUs shared out among the ranks",
     "num_threads": "torch threads of each engine core (default: one per physical core,"
     " shared out among data-parallel cores)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"

@@ -10,7 +10,7 @@ only per-request Python work is bookkeeping for requests that joined or left.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,8 +33,27 @@ from asyncllm.worker.structured import GrammarRows
 logger = logging.getLogger(__name__)
 
 
+class TensorParallelDriver(Protocol):
+    """Rank 0's side of tensor parallelism (asyncllm.executor.multiproc)."""
+
+    def join(self, num_blocks: int) -> int:
+        """After this rank's shard is loaded: wait for the other ranks and return
+        the KV block count every rank can hold."""
+
+    def wrap(self, model: Any) -> None:
+        """Let the model's extra `compute_logits` calls reach the workers."""
+
+    def send_step(self, *inputs: Any) -> None:
+        """This step's model inputs, to every worker (see executor/step_channel.py)."""
+
+    def end_logits(self) -> None:
+        """After a step's prompt-logprobs `compute_logits` calls."""
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: Any) -> None:
+    def __init__(
+        self, config: EngineConfig, hf_config: Any, tp: TensorParallelDriver | None = None
+    ) -> None:
         self.config = config
         self.device = config.torch_device
         self.block_size = config.block_size
@@ -44,6 +63,11 @@ class ModelRunner:
         self.model = load_model(config.model, hf_config, config.torch_dtype, self.device)
         self.vocab_size = int(self.model.vocab_size)
         self.num_blocks = num_kv_blocks_for(config, self.model)
+        # Tensor parallelism: this is rank 0, and the workers mirror each forward pass.
+        self.tp = tp
+        if tp is not None:
+            self.num_blocks = tp.join(self.num_blocks)
+            tp.wrap(self.model)
         self.kv_caches = allocate_kv_caches(config, self.model, self.num_blocks)
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
@@ -105,6 +129,18 @@ class ModelRunner:
             sampling = (seq_lens == ib.num_tokens[rows]).tolist()
             ids = [r for r, d in zip(req_ids, sampling, strict=True) if d]
             masks = grammar.bitmask_async(ids) if ids else None
+        tp = self.tp
+        if tp is not None:
+            tp.send_step(
+                input_ids,
+                pos,
+                q,
+                ctx,
+                ib.block_table[rows, :max_nb],
+                slots,
+                (cu - 1)[seq_lens == ib.num_tokens[rows]],
+                bool((ib.num_prompt_logprobs[rows] >= 0).any()),
+            )
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(self.device)
         self._in_flight.feed(input_ids_t, tok_rows, pos)
         pos_t = torch.from_numpy(pos).to(self.device)
@@ -125,6 +161,8 @@ class ModelRunner:
             self._prompt_logprobs.collect(
                 self.model, hidden, ib, rows, req_ids, ctx, q, cu, plp_rows, out.prompt_logprobs
             )
+            if tp is not None:
+                tp.end_logits()
         if not done.any():
             return out
         if rec is not None:
