@@ -93,6 +93,9 @@ class EngineArgs:
     # torch's threads in the engine core (the model and the sampler kernel). None:
     # torch's default (one per physical core), shared out among data-parallel cores.
     num_threads: int | None = None
+    # Fused layers: torch.compile (inductor) the elementwise work between the
+    # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -160,6 +163,8 @@ class EngineArgs:
         _check_int("data_parallel_size", self.data_parallel_size, 1, _MAX_DATA_PARALLEL)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
+        if not isinstance(self.compile, bool):
+            raise _fail("compile", self.compile, "a bool")
         if not isinstance(self.prefix_aware_routing, bool):
             raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
 
@@ -240,6 +245,7 @@ class EngineArgs:
             profile_dir=self.profile_dir,
             collect_step_timings=self.collect_step_timings,
             num_threads=self.num_threads,
+            compile=self.compile,
         )
 
 
@@ -268,6 +274,7 @@ class EngineConfig:
     profile_dir: str | None = None
     collect_step_timings: bool = False
     num_threads: int | None = None
+    compile: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -39,6 +39,9 @@ ENGINE_HELP: dict[str, str] = {
     " KV cache, scheduler); requests go to the least-loaded",
     "num_threads": "torch threads of each engine core (default: one per physical core,"
     " shared out among data-parallel cores)",
+    "compile": "fuse the elementwise work between the matmuls with torch.compile (inductor);"
+    " the first start compiles (README: cold and warm start-up), later ones reuse the"
+    " kernels cached under $XDG_CACHE_HOME/asyncllm/inductor (off by default)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
     " was seen before to the same core, unless it is much busier (off by default)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs"
