@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.models.hf_config import load_hf_config
-from asyncllm.worker.compile import compiled_ops
+from asyncllm.worker import compile as compile_mod
 from tiny_models import make_tiny_model
 
 MAX_TOKENS = 8
@@ -19,13 +19,15 @@ MAX_TOKENS = 8
 def test_compiled_greedy_matches_transformers_without_recompiles(tmp_path, monkeypatch):
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    # every step through the compiled ops (by default small steps stay eager)
+    monkeypatch.setattr(compile_mod, "MIN_TOKENS", 0)
     model_dir = make_tiny_model(tmp_path / "llama", arch="llama", tokenizer="llama-2")
     prompts = prompts_for(load_hf_config(model_dir).vocab_size, lens=(5, 9, 17, 30))
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
 
     llm = LLM(str(model_dir), multiprocess=False, dtype="float32", compile=True)
     model = llm.engine.core.runner.model
-    assert all(layer.mlp.ops is compiled_ops() for layer in model.layers)
+    assert all(layer.mlp.ops is compile_mod.size_dispatched_ops() for layer in model.layers)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 4, "start-up compiled no graphs"
     assert any(cache.rglob("*.py")), "no compiled kernel in the on-disk cache"

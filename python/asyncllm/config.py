@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
+OMP_WAIT_POLICIES = ("default", "passive", "active")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
@@ -96,6 +97,13 @@ class EngineArgs:
     # Fused layers: torch.compile (inductor) the elementwise work between the
     # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
     compile: bool = False
+    # Placement (engine/launcher.py): pin the engine core's threads to the last
+    # `num_threads` CPUs and the front end to the others; and the OpenMP wait policy
+    # of the core's torch threads ("default": libgomp's spin-then-sleep; "passive":
+    # sleep at once, leaving the CPU to the front end and IO threads; "active").
+    # Defaults: ASYNCLLM_PIN_THREADS, ASYNCLLM_OMP_WAIT_POLICY.
+    pin_threads: bool = field(default_factory=envs.pin_threads)
+    omp_wait_policy: str = field(default_factory=envs.omp_wait_policy)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -165,6 +173,14 @@ class EngineArgs:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.compile, bool):
             raise _fail("compile", self.compile, "a bool")
+        if not isinstance(self.pin_threads, bool):
+            raise _fail("pin_threads", self.pin_threads, "a bool")
+        if self.pin_threads and self.data_parallel_size > 1:
+            raise _fail("pin_threads", self.pin_threads, "False with data_parallel_size > 1")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise _fail(
+                "omp_wait_policy", self.omp_wait_policy, f"one of {', '.join(OMP_WAIT_POLICIES)}"
+            )
         if not isinstance(self.prefix_aware_routing, bool):
             raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
 

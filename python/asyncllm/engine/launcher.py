@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from asyncllm.config import EngineArgs
 
@@ -46,7 +47,11 @@ class CoreProcess:
             "--watch-stdin",
         ]
         # stdin is a pipe we never write: when this process dies the child sees EOF.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, close_fds=True, env=core_environment(self._args)
+        )
+        if self._args.pin_threads:
+            pin(self.proc.pid, self._args.num_threads)
 
     @property
     def pid(self) -> int | None:
@@ -79,3 +84,35 @@ class CoreProcess:
             if proc.stdin is not None:
                 proc.stdin.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def core_environment(args: EngineArgs) -> dict[str, str]:
+    """The core's environment: ours, plus the OpenMP wait policy asked for, which
+    libgomp reads once when torch loads in the fresh interpreter."""
+    env = dict(os.environ)
+    if args.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    return env
+
+
+def pin(core_pid: int, num_threads: int | None) -> None:
+    """Pin the core to the last `num_threads` of our CPUs and this process (the
+    front end, the server) to the others. Set on the core's first thread right after
+    the spawn, before its interpreter has started any other, so every thread it
+    makes (IO threads, the OpenMP team) inherits it; every thread of this process is
+    moved. A no-op when the core would get every CPU (or off Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        logger.warning("pin_threads: this platform cannot set CPU affinity; not pinned")
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    n = num_threads or len(cpus)
+    if n >= len(cpus):
+        return
+    core, front = cpus[-n:], cpus[:-n]
+    os.sched_setaffinity(core_pid, core)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), front)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    logger.info("pinned the engine core to CPUs %s and the front end to %s", core, front)

@@ -14,7 +14,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from asyncllm.config import DEVICES, DTYPES, EXECUTORS, KV_CACHE_DTYPES, EngineArgs
+from asyncllm.config import (
+    DEVICES,
+    DTYPES,
+    EXECUTORS,
+    KV_CACHE_DTYPES,
+    OMP_WAIT_POLICIES,
+    EngineArgs,
+)
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import AsyncLLMError, ConfigError
 
@@ -42,6 +49,11 @@ ENGINE_HELP: dict[str, str] = {
     "compile": "fuse the elementwise work between the matmuls with torch.compile (inductor);"
     " the first start compiles (README: cold and warm start-up), later ones reuse the"
     " kernels cached under $XDG_CACHE_HOME/asyncllm/inductor (off by default)",
+    "pin_threads": "pin the engine core's threads to the last --num-threads CPUs and the"
+    " front end to the others (default: $ASYNCLLM_PIN_THREADS, else off)",
+    "omp_wait_policy": f"OpenMP wait policy of the engine core's torch threads, one of"
+    f" {', '.join(OMP_WAIT_POLICIES)} (default: $ASYNCLLM_OMP_WAIT_POLICY, else default:"
+    " libgomp's spin-then-sleep)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
     " was seen before to the same core, unless it is much busier (off by default)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs"
@@ -59,6 +71,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "device": DEVICES,
     "executor": EXECUTORS,
+    "omp_wait_policy": OMP_WAIT_POLICIES,
 }
 
 

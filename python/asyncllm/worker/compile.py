@@ -7,6 +7,9 @@ inputs once. The matmuls and the paged attention stay eager: inductor's CPU back
 calls the same GEMMs, and the attention kernel is ours. Models whose layers do not
 use `FusedOps` (Gemma's norms and GeGLU) keep those parts eager.
 
+Small steps (fewer than `MIN_TOKENS` tokens: low-load decodes) run the eager ops,
+where a compiled call's fixed cost outweighs the fused pass.
+
 Shapes: the token dimension is dynamic. `warm_up` runs one forward with dim 0 of
 every compiled op's inputs marked dynamic and with size-oblivious guards, so the
 graphs it compiles serve every step's token count, 1 included: no recompile across
@@ -36,7 +39,13 @@ from asyncllm.models.layers import FusedOps, add_rms_norm, apply_rotary, rms_nor
 logger = logging.getLogger(__name__)
 
 _WARM_UP_TOKENS = 3  # > 1: the token dim must not be traced as the constant 1
+# Steps with fewer tokens run the eager ops: a compiled call costs ~50-100 us more
+# in dynamo's guards and wrappers than an eager one, which a fused pass over a few
+# rows does not win back (measured on small's shapes: the fused ops pull ahead
+# from ~128-256 tokens; README).
+MIN_TOKENS = 128
 _compiled: FusedOps | None = None
+_by_size: FusedOps | None = None
 
 
 def inductor_cache_dir() -> Path:
@@ -69,6 +78,28 @@ def compiled_ops() -> FusedOps:
             rotary=compile_fn(apply_rotary),
         )
     return _compiled
+
+
+def size_dispatched_ops() -> FusedOps:
+    """The ops a compiled model's layers call: compiled from `MIN_TOKENS` tokens
+    on, eager below (every op's first argument has the step's tokens as dim 0)."""
+    global _by_size
+    if _by_size is None:
+        compiled = compiled_ops()
+
+        def pick(eager: Any, fused: Any) -> Any:
+            def op(x: torch.Tensor, *rest: Any) -> Any:
+                return (fused if x.shape[0] >= MIN_TOKENS else eager)(x, *rest)
+
+            return op
+
+        _by_size = FusedOps(
+            rms_norm=pick(rms_norm, compiled.rms_norm),
+            add_rms_norm=pick(add_rms_norm, compiled.add_rms_norm),
+            silu_mul=pick(silu_mul, compiled.silu_mul),
+            rotary=pick(apply_rotary, compiled.rotary),
+        )
+    return _by_size
 
 
 def _marking(ops: FusedOps) -> FusedOps:
@@ -125,7 +156,7 @@ def compile_model(model: nn.Module, kv_caches: list[torch.Tensor], block_size: i
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             model(ids, positions, kv_caches, meta)
     finally:
-        _set_ops(model, ops)
+        _set_ops(model, size_dispatched_ops())
         for cache in kv_caches:
             cache[:, :blocks].zero_()
     logger.info(
