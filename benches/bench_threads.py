@@ -165,7 +165,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = p.parse_args()
     sizes = {"c1": 24, "c8": 48, "c64": 64, "out": 64}
-    cpus = len(os.sched_getaffinity(0))
+    own_cpus = os.sched_getaffinity(0)
+    cpus = len(own_cpus)
     cands = candidates(cpus)
     if args.quick:
         args.model, args.rounds = "micro", 1
@@ -180,6 +181,8 @@ def main() -> None:
             for cand in cands:
                 result: dict[str, Any] = serve_run(model, cand, sizes)
                 result["offline_tps"] = offline_run(model, cand, sizes)
+                if os.sched_getaffinity(0) != own_cpus:  # pinning must end with the engine
+                    raise SystemExit(f"{cand.name}: the front end's CPUs were not restored")
                 for key, value in result.items():
                     rows[cand].setdefault(key, []).append(value)
                 figures = ", ".join(f"{k} {v:.1f}" for k, v in result.items())
