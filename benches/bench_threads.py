@@ -8,7 +8,7 @@ Candidates (every combination; pinning only where it leaves a CPU to the front e
             the last `threads` CPUs and the server's to the others (`--pin-threads`)
   wait      the OpenMP wait policy of the core: libgomp's default (spin, then
             sleep) or OMP_WAIT_POLICY=PASSIVE (sleep at once), set in the core's
-            environment before torch loads (`--omp-wait-policy`)
+            environment before torch loads (`--omp-wait-policy inherit|passive`)
 
 For each, against `asyncllm serve` on the same model: end-to-end latency p50/p99 of
 short requests (32-word prompt, 16 tokens) one at a time and 8 at a time, and
@@ -57,7 +57,7 @@ class Candidate:
             str(self.threads),
             "--pin-threads" if self.pin else "--no-pin-threads",
             "--omp-wait-policy",
-            "passive" if self.passive else "default",
+            "passive" if self.passive else "inherit",
         ]
 
 
@@ -121,7 +121,7 @@ def offline_run(model: Path, cand: Candidate, sizes: dict[str, int]) -> float:
         str(model),
         num_threads=cand.threads,
         pin_threads=cand.pin,
-        omp_wait_policy="passive" if cand.passive else "default",
+        omp_wait_policy="passive" if cand.passive else "inherit",
     ) as llm:
         vocab = llm.get_tokenizer().vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(32)] for _ in range(sizes["c64"])]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.config import EngineArgs
+from asyncllm.config import EngineArgs, serving_placement
 from asyncllm.errors import ConfigError
 
 
@@ -49,3 +49,16 @@ def test_placement_settings_are_checked(monkeypatch):
     monkeypatch.setenv("ASYNCLLM_PIN_THREADS", "1")
     args = EngineArgs()
     assert (args.omp_wait_policy, args.pin_threads) == ("passive", True)
+
+
+def test_serving_placement_fills_only_what_the_user_left(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    auto = serving_placement(EngineArgs())
+    assert auto.num_threads == max(1, cpus - 1)
+    assert auto.pin_threads is (cpus > 1)
+    mine = serving_placement(EngineArgs(num_threads=cpus, pin_threads=None))
+    assert (mine.num_threads, mine.pin_threads) == (cpus, False)
+    assert serving_placement(EngineArgs(pin_threads=False)).pin_threads is False
+    parallel = EngineArgs(data_parallel_size=2)
+    assert serving_placement(parallel) == parallel

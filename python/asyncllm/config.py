@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
-OMP_WAIT_POLICIES = ("default", "passive", "active")
+OMP_WAIT_POLICIES = ("passive", "active", "inherit")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
@@ -97,12 +97,15 @@ class EngineArgs:
     # Fused layers: torch.compile (inductor) the elementwise work between the
     # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
     compile: bool = False
-    # Placement (engine/launcher.py): pin the engine core's threads to the last
-    # `num_threads` CPUs and the front end to the others; and the OpenMP wait policy
-    # of the core's torch threads ("default": libgomp's spin-then-sleep; "passive":
-    # sleep at once, leaving the CPU to the front end and IO threads; "active").
-    # Defaults: ASYNCLLM_PIN_THREADS, ASYNCLLM_OMP_WAIT_POLICY.
-    pin_threads: bool = field(default_factory=envs.pin_threads)
+    # Placement (engine/launcher.py; measured in benches/bench_threads.py, README):
+    # pin the engine core's threads to the last `num_threads` CPUs and the front end
+    # to the others (None: on for `asyncllm serve` where that leaves the front end a
+    # CPU, see `serving_placement`; off otherwise); and the OpenMP wait policy of
+    # the core's torch threads ("passive": sleep at once, leaving the CPU to the
+    # front end and IO threads; "active": spin; "inherit": the environment's
+    # OMP_WAIT_POLICY, else libgomp's spin-then-sleep). Defaults:
+    # ASYNCLLM_PIN_THREADS, ASYNCLLM_OMP_WAIT_POLICY.
+    pin_threads: bool | None = field(default_factory=envs.pin_threads)
     omp_wait_policy: str = field(default_factory=envs.omp_wait_policy)
 
     def __post_init__(self) -> None:
@@ -173,8 +176,8 @@ class EngineArgs:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.compile, bool):
             raise _fail("compile", self.compile, "a bool")
-        if not isinstance(self.pin_threads, bool):
-            raise _fail("pin_threads", self.pin_threads, "a bool")
+        if self.pin_threads is not None and not isinstance(self.pin_threads, bool):
+            raise _fail("pin_threads", self.pin_threads, "None (auto) or a bool")
         if self.pin_threads and self.data_parallel_size > 1:
             raise _fail("pin_threads", self.pin_threads, "False with data_parallel_size > 1")
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
@@ -348,3 +351,23 @@ def _config_dtype(hf_config: Any) -> str:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(value).removeprefix("torch.") if value is not None else "float32"
     return name if name in DTYPES else "float32"
+
+
+def serving_placement(args: EngineArgs) -> EngineArgs:
+    """`asyncllm serve`'s thread settings where the user gave none: the runner on all
+    CPUs but one, pinned apart from the front end, which keeps the other
+    (benches/bench_threads.py: on 2 CPUs, 1 pinned thread served single requests
+    2-15x faster than 2 threads with the same tokens/s at 64 streams; README). Left
+    alone with data parallelism (the front end shares the CPUs out) or when
+    OMP_NUM_THREADS says how many."""
+    import os
+
+    if args.data_parallel_size > 1 or (
+        args.num_threads is None and os.environ.get("OMP_NUM_THREADS")
+    ):
+        return args
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    threads = args.num_threads if args.num_threads is not None else max(1, cpus - 1)
+    pin = args.pin_threads if args.pin_threads is not None else threads < cpus
+    return dataclasses.replace(args, num_threads=threads, pin_threads=pin)

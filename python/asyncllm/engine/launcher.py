@@ -91,10 +91,11 @@ class CoreProcess:
 
 
 def core_environment(args: EngineArgs) -> dict[str, str]:
-    """The core's environment: ours, plus the OpenMP wait policy asked for, which
-    libgomp reads once when torch loads in the fresh interpreter."""
+    """The core's environment: ours, plus the OpenMP wait policy asked for (over
+    any OMP_WAIT_POLICY of ours unless "inherit"), which libgomp reads once when
+    torch loads in the fresh interpreter."""
     env = dict(os.environ)
-    if args.omp_wait_policy != "default":
+    if args.omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     return env
 
