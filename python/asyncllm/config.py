@@ -92,7 +92,8 @@ class EngineArgs:
     # than the least-loaded one by more than a small margin.
     prefix_aware_routing: bool = False
     # torch's threads in the engine core (the model and the sampler kernel). None:
-    # torch's default (one per physical core), shared out among data-parallel cores.
+    # torch's default (one per physical core), shared out among data-parallel cores;
+    # `asyncllm serve` makes it all CPUs but one (`serving_placement`).
     num_threads: int | None = None
     # Fused layers: torch.compile (inductor) the elementwise work between the
     # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
