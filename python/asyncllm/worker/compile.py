@@ -10,7 +10,7 @@ use `FusedOps` (Gemma's norms and GeGLU) keep those parts eager.
 Small steps (fewer than `MIN_TOKENS` tokens: low-load decodes) run the eager ops,
 where a compiled call's fixed cost outweighs the fused pass.
 
-Shapes: the token dimension is dynamic. `warm_up` runs one forward with dim 0 of
+Shapes: the token dimension is dynamic. `compile_model` runs one forward with dim 0 of
 every compiled op's inputs marked dynamic and with size-oblivious guards, so the
 graphs it compiles serve every step's token count, 1 included: no recompile across
 batch sizes (tests/test_compile.py counts them).
