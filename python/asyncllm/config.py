@@ -358,7 +358,7 @@ def serving_placement(args: EngineArgs) -> EngineArgs:
     """`asyncllm serve`'s thread settings where the user gave none: the runner on all
     CPUs but one, pinned apart from the front end, which keeps the other
     (benches/bench_threads.py: on 2 CPUs, 1 pinned thread served single requests
-    2-15x faster than 2 threads with the same tokens/s at 64 streams; README). Left
+    15x faster than 2 spinning threads and 8x the tokens/s at 64 streams; README). Left
     alone with data parallelism (the front end shares the CPUs out) or when
     OMP_NUM_THREADS says how many."""
     import os
