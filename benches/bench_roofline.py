@@ -1,7 +1,8 @@
 """Roofline: how far the model runner's step is from what this machine allows.
 
     python benches/bench_roofline.py [--models micro small] [--dtypes float32 bfloat16]
-        [--threads 2] [--batch 256] [--context 100] [--prefill 8x128] [--runs 3] [--quick]
+        [--threads 2] [--batch 256] [--context 100] [--prefill 8x128] [--runs 3]
+        [--compile] [--quick]
 
 The machine: torch.mm's rate at each of the model's matmul shapes (F.linear with the
 model's weight layout, the best of a few calls: a rate the machine demonstrably
@@ -197,6 +198,9 @@ class _Timed:
         return out
 
 
+COMPILE = False  # --compile: the runner's fused layers (EngineArgs.compile)
+
+
 def make_runner(model_dir: Path, dtype: str, seqs: int, max_len: int, blocks: int) -> Any:
     from asyncllm import EngineArgs
     from asyncllm.models.hf_config import load_hf_config
@@ -211,6 +215,7 @@ def make_runner(model_dir: Path, dtype: str, seqs: int, max_len: int, blocks: in
         max_model_len=max_len,
         num_kv_blocks=blocks,
         max_num_batched_tokens=max(seqs, 8192),
+        compile=COMPILE,
     )
     return ModelRunner(args.resolve(hf), hf)
 
@@ -362,14 +367,22 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs; every figure is their median")
     p.add_argument("--reps", type=int, default=3, help="calls per machine-rate measurement")
     p.add_argument("--model-dir", default=None, help="where the benchmark models are built")
+    p.add_argument(
+        "--compile", action="store_true", help="fused layers (EngineArgs.compile) in the engine"
+    )
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = p.parse_args()
+    global COMPILE
+    COMPILE = args.compile
     if args.quick:
         args.models, args.batch, args.context, args.prefill = ["micro"], 8, 20, "2x16"
         args.runs, args.reps = 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"compile {'on' if args.compile else 'off'}"
+    )
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="roofline-"))
     for name in args.models:
         model_dir = build_model(name, root)

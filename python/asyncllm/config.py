@@ -24,6 +24,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
+OMP_WAIT_POLICIES = ("passive", "active", "inherit")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
 _MAX_TENSOR_PARALLEL = 64
@@ -104,8 +105,22 @@ class EngineArgs:
     # executor), torch.distributed with gloo on the CPU, NCCL on CUDA.
     tensor_parallel_size: int = 1
     # torch's threads in the engine core (the model and the sampler kernel). None:
-    # torch's default (one per physical core), shared out among data-parallel cores.
+    # torch's default (one per physical core), shared out among data-parallel cores;
+    # `asyncllm serve` makes it all CPUs but one (`serving_placement`).
     num_threads: int | None = None
+    # Fused layers: torch.compile (inductor) the elementwise work between the
+    # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
+    compile: bool = False
+    # Placement (engine/launcher.py; measured in benches/bench_threads.py, README):
+    # pin the engine core's threads to the last `num_threads` CPUs and the front end
+    # to the others (None: on for `asyncllm serve` where that leaves the front end a
+    # CPU, see `serving_placement`; off otherwise); and the OpenMP wait policy of
+    # the core's torch threads ("passive": sleep at once, leaving the CPU to the
+    # front end and IO threads; "active": spin; "inherit": the environment's
+    # OMP_WAIT_POLICY, else libgomp's spin-then-sleep). Defaults:
+    # ASYNCLLM_PIN_THREADS, ASYNCLLM_OMP_WAIT_POLICY.
+    pin_threads: bool | None = field(default_factory=envs.pin_threads)
+    omp_wait_policy: str = field(default_factory=envs.omp_wait_policy)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -176,6 +191,16 @@ class EngineArgs:
             raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 with executor='null'")
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
+        if not isinstance(self.compile, bool):
+            raise _fail("compile", self.compile, "a bool")
+        if self.pin_threads is not None and not isinstance(self.pin_threads, bool):
+            raise _fail("pin_threads", self.pin_threads, "None (auto) or a bool")
+        if self.pin_threads and self.data_parallel_size > 1:
+            raise _fail("pin_threads", self.pin_threads, "False with data_parallel_size > 1")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise _fail(
+                "omp_wait_policy", self.omp_wait_policy, f"one of {', '.join(OMP_WAIT_POLICIES)}"
+            )
         if not isinstance(self.prefix_aware_routing, bool):
             raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
         if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
@@ -273,6 +298,7 @@ class EngineArgs:
             collect_step_timings=self.collect_step_timings,
             num_threads=self.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
+            compile=self.compile,
         )
 
 
@@ -302,6 +328,7 @@ class EngineConfig:
     collect_step_timings: bool = False
     num_threads: int | None = None
     tensor_parallel_size: int = 1
+    compile: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -359,3 +386,27 @@ def _config_dtype(hf_config: Any) -> str:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(value).removeprefix("torch.") if value is not None else "float32"
     return name if name in DTYPES else "float32"
+
+
+def serving_placement(args: EngineArgs) -> EngineArgs:
+    """`asyncllm serve`'s thread settings where the user gave none: the runner on all
+    CPUs but one, pinned apart from the front end, which keeps the other
+    (benches/bench_threads.py: on 2 CPUs, 1 pinned thread served single requests
+    15x faster than 2 spinning threads and 8x the tokens/s at 64 streams; README). Left
+    alone with data or tensor parallelism (the CPUs are shared out among cores or
+    ranks), with cores placed by Ray (on other nodes), or when OMP_NUM_THREADS says
+    how many."""
+    import os
+
+    if (
+        args.data_parallel_size > 1
+        or args.tensor_parallel_size > 1
+        or args.data_parallel_backend == "ray"
+        or (args.num_threads is None and os.environ.get("OMP_NUM_THREADS"))
+    ):
+        return args
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    threads = args.num_threads if args.num_threads is not None else max(1, cpus - 1)
+    pin = args.pin_threads if args.pin_threads is not None else threads < cpus
+    return dataclasses.replace(args, num_threads=threads, pin_threads=pin)

@@ -62,3 +62,16 @@ def trace_dir() -> str | None:
     asyncllm.tracing); the same as EngineArgs.trace_dir / --trace-dir."""
     value = os.environ.get("ASYNCLLM_TRACE_DIR", "")
     return value or None
+
+
+def pin_threads() -> bool | None:
+    """ASYNCLLM_PIN_THREADS (unset: auto): the default of `EngineArgs.pin_threads`."""
+    if not os.environ.get("ASYNCLLM_PIN_THREADS"):
+        return None
+    return _bool("ASYNCLLM_PIN_THREADS", False)
+
+
+def omp_wait_policy() -> str:
+    """ASYNCLLM_OMP_WAIT_POLICY (default "passive"): the default of
+    `EngineArgs.omp_wait_policy` (checked there)."""
+    return os.environ.get("ASYNCLLM_OMP_WAIT_POLICY", "").strip().lower() or "passive"

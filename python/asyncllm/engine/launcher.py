@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from asyncllm.config import EngineArgs
 
@@ -30,6 +31,7 @@ class CoreProcess:
         self.output_addr = f"ipc://{self.socket_dir}/output.sock"
         self._args = args
         self.proc: subprocess.Popen[bytes] | None = None
+        self._unpinned: set[int] | None = None  # our CPUs before pin_threads moved us
 
     def start(self) -> None:
         """Spawn the child; the caller must have bound both addresses already."""
@@ -46,7 +48,11 @@ class CoreProcess:
             "--watch-stdin",
         ]
         # stdin is a pipe we never write: when this process dies the child sees EOF.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, close_fds=True, env=core_environment(self._args)
+        )
+        if self._args.pin_threads:
+            self._unpinned = pin(self.proc.pid, self._args.num_threads)
 
     @property
     def pid(self) -> int | None:
@@ -79,3 +85,47 @@ class CoreProcess:
             if proc.stdin is not None:
                 proc.stdin.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self._unpinned is not None:
+            _set_process_affinity(self._unpinned)
+            self._unpinned = None
+
+
+def core_environment(args: EngineArgs) -> dict[str, str]:
+    """The core's environment: ours, plus the OpenMP wait policy asked for (over
+    any OMP_WAIT_POLICY of ours unless "inherit"), which libgomp reads once when
+    torch loads in the fresh interpreter."""
+    env = dict(os.environ)
+    if args.omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    return env
+
+
+def pin(core_pid: int, num_threads: int | None) -> set[int] | None:
+    """Pin the core to the last `num_threads` of our CPUs and this process (the
+    front end, the server) to the others; returns our CPUs before (restored at
+    stop), or None when nothing moved. Set on the core's first thread right after
+    the spawn, before its interpreter has started any other, so every thread it
+    makes (IO threads, the OpenMP team) inherits it. A no-op when the core would
+    get every CPU (or off Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        logger.warning("pin_threads: this platform cannot set CPU affinity; not pinned")
+        return None
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    n = num_threads or len(cpus)
+    if n >= len(cpus):
+        return None
+    core, front = cpus[-n:], cpus[:-n]
+    os.sched_setaffinity(core_pid, core)
+    _set_process_affinity(set(front))
+    logger.info("pinned the engine core to CPUs %s and the front end to %s", core, front)
+    return before
+
+
+def _set_process_affinity(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (sched_setaffinity moves one thread)."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass

@@ -8,6 +8,8 @@ Hugging Face runs two.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,9 +19,58 @@ from torch import nn
 from asyncllm.errors import ModelLoadError
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm over the last dim, computed in float32 as Hugging Face
+    does, so that bf16/fp16 models match the reference."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): a block's output joins the residual
+    stream and the next block's norm reads it, in one pass when compiled."""
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, from the fused gate/up projection's output [T, 2 * I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (any strides) by cos/sin [T, 1, D/2]; returns a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The elementwise work between the matmuls, as functions a model's layers call
+    through their `ops` attribute: eager by default; `asyncllm.worker.compile`
+    gives a model's layers torch.compile'd versions (one fused pass each)."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ] = add_rms_norm
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_mul
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
+
+
+EAGER_OPS = FusedOps()
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face does, so that
-    bf16/fp16 models match the reference."""
+    """Root-mean-square norm computed in float32 (`rms_norm`)."""
+
+    ops: FusedOps = EAGER_OPS
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -27,15 +78,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): see `add_rms_norm`."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    ops: FusedOps = EAGER_OPS
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -44,8 +99,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -116,9 +170,3 @@ class RotaryEmbedding(nn.Module):
         """cos and sin [T, 1, head_dim/2] for the step's positions."""
         cs = self.cos_sin_cache.index_select(0, positions)
         return cs[:, 0:1], cs[:, 1:2]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (any strides) by cos/sin [T, 1, D/2]; returns a new tensor."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

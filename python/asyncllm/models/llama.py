@@ -20,10 +20,11 @@ from torch import nn
 from asyncllm.models.attention import AttentionMetadata, paged_attention
 from asyncllm.models.hf_config import layer_windows
 from asyncllm.models.layers import (
+    EAGER_OPS,
+    FusedOps,
     RMSNorm,
     RotaryEmbedding,
     SwiGLUMLP,
-    apply_rotary,
     rope_parameters,
 )
 from asyncllm.models.parallel_state import tensor_parallel
@@ -40,6 +41,8 @@ class LlamaAttention(nn.Module):
     attention over the last `window` positions), `softcap` (attention logit
     soft-capping: Gemma 2), `scale` (Gemma's query_pre_attn_scalar) and
     `rotary_dim` < head_dim (partial rotary: Phi-3)."""
+
+    ops: FusedOps = EAGER_OPS
 
     def __init__(
         self,
@@ -85,9 +88,9 @@ class LlamaAttention(nn.Module):
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
             )
         if self.rotary_dim == self.head_dim:
-            qk = apply_rotary(qk, cos, sin)
+            qk = self.ops.rotary(qk, cos, sin)
         else:
-            rot = apply_rotary(qk[..., : self.rotary_dim], cos, sin)
+            rot = self.ops.rotary(qk[..., : self.rotary_dim], cos, sin)
             qk = torch.cat((rot, qk[..., self.rotary_dim :]), dim=-1)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -118,8 +121,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        normed, hidden = self.post_attention_layernorm.add_forward(attn, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -20,7 +20,9 @@ from asyncllm.config import (
     DTYPES,
     EXECUTORS,
     KV_CACHE_DTYPES,
+    OMP_WAIT_POLICIES,
     EngineArgs,
+    serving_placement,
 )
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import AsyncLLMError, ConfigError
@@ -51,8 +53,17 @@ ENGINE_HELP: dict[str, str] = {
     "tensor_parallel_size": "shard the model over this many processes of each engine core"
     " (Llama, Mistral, Qwen2; gloo on the CPU, NCCL on CUDA); each rank runs --num-threads"
     " threads, by default the CPUs shared out among the ranks",
-    "num_threads": "torch threads of each engine core (default: one per physical core,"
-    " shared out among data-parallel cores)",
+    "num_threads": "torch threads of each engine core (default: serve: all CPUs but one;"
+    " generate: one per physical core; shared out among data-parallel cores)",
+    "compile": "fuse the elementwise work between the matmuls with torch.compile (inductor);"
+    " the first start compiles (README: cold and warm start-up), later ones reuse the"
+    " kernels cached under $XDG_CACHE_HOME/asyncllm/inductor (off by default)",
+    "pin_threads": "pin the engine core's threads to the last --num-threads CPUs and the"
+    " front end to the others (default: $ASYNCLLM_PIN_THREADS, else on for serve when"
+    " that leaves the front end a CPU, off for generate)",
+    "omp_wait_policy": f"OpenMP wait policy of the engine core's torch threads, one of"
+    f" {', '.join(OMP_WAIT_POLICIES)} (inherit: this environment's OMP_WAIT_POLICY;"
+    " default: $ASYNCLLM_OMP_WAIT_POLICY, else passive)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
     " was seen before to the same core, unless it is much busier (off by default)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs"
@@ -71,6 +82,7 @@ _CHOICES = {
     "device": DEVICES,
     "executor": EXECUTORS,
     "data_parallel_backend": DATA_PARALLEL_BACKENDS,
+    "omp_wait_policy": OMP_WAIT_POLICIES,
 }
 
 
@@ -203,7 +215,7 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise SystemExit(f"asyncllm serve: {exc}") from None
     return run_server(
-        engine_args_from(ns),
+        serving_placement(engine_args_from(ns)),
         config,
         ns.host,
         ns.port,

@@ -69,6 +69,10 @@ class ModelRunner:
             self.num_blocks = tp.join(self.num_blocks)
             tp.wrap(self.model)
         self.kv_caches = allocate_kv_caches(config, self.model, self.num_blocks)
+        if config.compile:
+            from asyncllm.worker.compile import compile_model
+
+            compile_model(self.model, self.kv_caches, config.block_size)
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
         # Draws are keyed by (seed, output position), so a resumed request goes on
