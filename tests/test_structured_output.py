@@ -306,3 +306,35 @@ def test_http_response_format_and_structured_outputs(tmp_path):
         assert ok.choices[0].finish_reason in ("stop", "length")
     finally:
         assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+def test_the_ban_is_lifted_only_where_the_grammar_allows_nothing_else():
+    """Both samplers' rule (let_grammar_win): a row's min_tokens ban goes only where
+    its grammar allows no token outside it; other rows keep theirs."""
+    from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+    from asyncllm.worker.structured import let_grammar_win
+
+    eos, other, words = 2, 40, 4
+    bitmask = np.zeros((3, words), dtype=np.int32)
+    bitmask[0, 0] = 1 << eos  # complete: EOS only
+    bitmask[1, 0] = 1 << eos
+    bitmask[1, other // 32] |= 1 << (other % 32)  # EOS or another token
+    bitmask[2, 0] = 1 << eos  # complete, but not banned
+    banned = TokenLists(
+        np.array([0, 2, 4, 4], dtype=np.int64),  # rows 0 and 1 ban EOS and 33
+        np.array([eos, 33, eos, 33], dtype=np.int64),
+        np.zeros(4, dtype=np.int64),
+    )
+    md = SamplingMetadata(
+        all_greedy=True,
+        params_f=np.zeros((3, 6), dtype=np.float32),
+        params_i=np.zeros((3, 6), dtype=np.int64),
+        seen=None,
+        banned=banned,
+        max_num_logprobs=None,
+        allowed=(np.arange(3, dtype=np.int64), bitmask),
+    )
+    let_grammar_win(md)
+    assert md.banned is not None
+    assert md.banned.offsets.tolist() == [0, 0, 2, 2]
+    assert md.banned.tokens.tolist() == [eos, 33]
