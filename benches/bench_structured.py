@@ -7,12 +7,14 @@ engine.
 1. Masks alone (the llama-2 tokenizer, vocabulary 32,000): 64 and 256 streams,
    all one JSON schema or the 30 test schemas mixed; per step one batched fill of
    every stream's bitmask (asyncllm: `GrammarCompiler.fill_bitmasks`, llguidance,
-   GIL released, rows in parallel; xgrammar: `BatchGrammarMatcher`), then each
+   GIL released, serially on the calling thread as the engine runs it on a small
+   machine, and on a pool of 2 threads; xgrammar: `BatchGrammarMatcher`), then each
    stream takes a random allowed token (its own draw) and advances. Reported: the
    median over steps of the fill, in µs per step, and of the advance.
 2. The engine (the micro model, benches/models.py): tokens/s of 64 streams under
-   a JSON schema that runs to max_tokens against 64 unconstrained streams, and
-   the time the runner spends filling masks per step.
+   a JSON schema that runs to max_tokens against 64 unconstrained streams, in
+   alternating pairs, and the time the runner's helper thread spends per step on
+   the last step's advance and this step's masks (beside the forward pass).
 3. Compile time of the 30 test schemas (p50, p99), fresh compiler cache.
 """
 
@@ -48,7 +50,7 @@ def pick(row: np.ndarray, rng: np.random.Generator, vocab: int) -> int:
     return int(rng.choice(allowed)) if len(allowed) else EOS
 
 
-def run_llguidance(compiler, schemas, n: int, steps: int, seed: int = 0):
+def run_llguidance(compiler, schemas, n: int, steps: int, seed: int = 0, threads: int = 1):
     grammars = [compiler.compile("json", json.dumps(s)) for s in schemas]
     matchers = [grammars[i % len(grammars)].matcher() for i in range(n)]
     out = np.zeros((n, compiler.words), dtype=np.int32)
@@ -57,7 +59,7 @@ def run_llguidance(compiler, schemas, n: int, steps: int, seed: int = 0):
     fill, adv = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        compiler.fill_bitmasks(matchers, out, rows)
+        compiler.fill_bitmasks(matchers, out, rows, threads)
         t1 = time.perf_counter()
         tokens = [pick(out[i], rng, VOCAB) for i in range(n)]
         t2 = time.perf_counter()
@@ -108,20 +110,26 @@ def masks(args, tokenizer_json: Path) -> None:
         xgr = None
         print("xgrammar not installed (pip install asyncllm[bench]): no baseline")
     print("mask fill per step, µs (median over steps; advance in parentheses)")
-    print(f"{'streams':>8} {'schemas':>8} {'asyncllm':>20} {'xgrammar':>20}")
+    print(
+        f"{'streams':>8} {'schemas':>8} {'asyncllm serial':>20} {'asyncllm 2 threads':>20}"
+        f" {'xgrammar':>20}"
+    )
     for n in (64,) if args.quick else (64, 256):
         for label, schemas in (("one", [ONE_SCHEMA]), ("mixed", SCHEMAS)):
-            ours = [
-                run_llguidance(compiler, schemas, n, args.steps, r) for r in range(args.repeats)
-            ]
-            f, a = (statistics.median(x) for x in zip(*ours, strict=True))
-            line = f"{n:>8} {label:>8} {f:>10.0f} ({a:>6.0f})"
+            line = f"{n:>8} {label:>8}"
+            for threads in (1, 2):
+                ours = [
+                    run_llguidance(compiler, schemas, n, args.steps, r, threads)
+                    for r in range(args.repeats)
+                ]
+                f, a = (statistics.median(x) for x in zip(*ours, strict=True))
+                line += f" {f:>11.0f} ({a:>6.0f})"
             if xgr is not None:
                 theirs = [
                     run_xgrammar(xgr, info, schemas, n, args.steps, r) for r in range(args.repeats)
                 ]
                 xf, xa = (statistics.median(x) for x in zip(*theirs, strict=True))
-                line += f" {xf:>10.0f} ({xa:>6.0f})"
+                line += f" {xf:>11.0f} ({xa:>6.0f})"
             print(line, flush=True)
 
 
@@ -144,15 +152,15 @@ def engine(args, model: Path) -> None:
     from asyncllm.worker import structured
 
     spent: list[float] = []
-    original = structured.GrammarRows.bitmask
+    original = structured.GrammarRows._fill
 
-    def timed(self, req_ids):
+    def timed(self, pending, req_ids):
         t0 = time.perf_counter()
-        r = original(self, req_ids)
+        r = original(self, pending, req_ids)
         spent.append(time.perf_counter() - t0)
         return r
 
-    structured.GrammarRows.bitmask = timed  # type: ignore[method-assign]
+    structured.GrammarRows._fill = timed  # type: ignore[method-assign]
     n, max_tokens = 64, 16 if args.quick else 64
     # runs to max_tokens: an array of many small integers
     long_schema = {
@@ -162,6 +170,7 @@ def engine(args, model: Path) -> None:
     }
     so = StructuredOutputsParams(json=long_schema)
     prompts = [f"Numbers {i}:" for i in range(n)]
+    rates: dict[str, list[float]] = {"unconstrained": [], "json schema": []}
     with LLM(str(model), multiprocess=False, max_num_seqs=n) as llm:
         for label, s in (("unconstrained", None), ("json schema", so)) * args.repeats:
             params = [
@@ -173,8 +182,19 @@ def engine(args, model: Path) -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t0
             toks = sum(len(o.outputs[0].token_ids) for o in outs)
-            mask = f", mask fill {statistics.median(spent) * 1e6:.0f} µs/step" if spent else ""
+            mask = (
+                f", advance + mask fill {statistics.median(spent) * 1e6:.0f} µs/step"
+                if spent
+                else ""
+            )
+            rates[label].append(toks / dt)
             print(f"engine {label:>14}: {toks / dt:8.0f} tok/s ({toks} tokens, {dt:.2f} s){mask}")
+    ratios = [c / u for u, c in zip(rates["unconstrained"], rates["json schema"], strict=True)]
+    print(
+        "engine json schema / unconstrained, per pair: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f" (median {statistics.median(ratios):.2f})"
+    )
 
 
 def main() -> None:

@@ -6,14 +6,24 @@ preemption; bad constraints fail alone with a message naming the problem."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 from structured_cases import GRAMMAR, LARK_EXPR, REGEXES, SCHEMAS
 
-from asyncllm import LLM, ConfigError, InvalidRequestError, SamplingParams, StructuredOutputsParams
+from asyncllm import (
+    LLM,
+    ConfigError,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from asyncllm.default_model import default_model_path
+from asyncllm.grammar_cache import GrammarCache
 
 
 def constrained(seed: int, max_tokens: int = 64, **so) -> SamplingParams:
@@ -23,6 +33,11 @@ def constrained(seed: int, max_tokens: int = 64, **so) -> SamplingParams:
         max_tokens=max_tokens,
         structured_outputs=StructuredOutputsParams(**so),
     )
+
+
+def tiny_grammars() -> GrammarCache:
+    """A fresh grammar cache for asyncllm-tiny's tokenizer (EOS 2, 8192 logits)."""
+    return GrammarCache(default_model_path() / "tokenizer.json", [2], 8192)
 
 
 def generate(llm: LLM, params: list[SamplingParams], prompt: str = "Answer:") -> list:
@@ -87,6 +102,76 @@ def test_max_tokens_cuts_with_length(llm1):
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 3
     assert out.text.startswith("[")
+
+
+def test_min_tokens_past_a_complete_grammar_the_grammar_wins(llm):
+    """A grammar that is complete before min_tokens allows only EOS, which
+    min_tokens bans: the grammar wins, the request stops there ("stop") with the
+    same tokens as without min_tokens, instead of sampling from no allowed token."""
+    choices = ["yes", "no"]
+    free = [constrained(i, max_tokens=20, choice=choices) for i in range(4)]
+    held = [p.clone(min_tokens=12) for p in free]
+    outs = generate(llm, free + held)
+    for a, b in zip(outs[:4], outs[4:], strict=True):
+        assert b.finish_reason == "stop" and b.text in choices, b
+        assert b.token_ids == a.token_ids
+    # where the grammar may go on, min_tokens still holds: digits past EOS's place
+    params = [
+        constrained(i, max_tokens=12, regex="[0-9]{1,10}").clone(min_tokens=6) for i in range(4)
+    ]
+    for out in generate(llm, params):
+        assert re.fullmatch("[0-9]{1,10}", out.text), out.text
+        assert len(out.token_ids) >= 6 or out.finish_reason == "stop", out
+
+
+def test_rows_in_one_state_share_a_mask_and_equal_their_own_fill():
+    """fill_bitmasks over matchers at mixed places (twins of one state, two
+    grammars, serial or on a pool) writes each row what that matcher alone gets."""
+    c = tiny_grammars().compiler
+    g = c.compile("json", json.dumps(SCHEMAS[1]))
+    h = c.compile("regex", "[a-c]{2,6}")
+    ms = []
+    for i in range(24):
+        m = (g if i % 3 else h).matcher()
+        for _ in range(i % 4):  # walk a few allowed tokens, the same ones for twins
+            row = np.zeros((1, c.words), dtype=np.int32)
+            c.fill_bitmasks([m], row, [0])
+            bits = np.unpackbits(row[0].view(np.uint8), bitorder="little")
+            m.consume([int(np.flatnonzero(bits)[0])])
+        ms.append(m)
+    for threads in (1, 2):
+        out = np.zeros((24, c.words), dtype=np.int32)
+        c.fill_bitmasks(ms, out, list(range(24)), threads)
+        for i, m in enumerate(ms):
+            alone = np.zeros((1, c.words), dtype=np.int32)
+            c.fill_bitmasks([m], alone, [0])
+            assert (out[i] == alone[0]).all(), (threads, i)
+    with pytest.raises(ValueError, match="threads"):
+        c.fill_bitmasks(ms[:1], out, [0], 0)
+
+
+def test_compile_async_leaves_the_event_loop_free():
+    """The server compiles off its event loop: while a schema compiles, the loop
+    keeps running other work (here a ticker), and a cached one returns at once."""
+    cache = tiny_grammars()
+    params = StructuredOutputsParams(json=SCHEMAS[5])
+
+    async def main() -> int:
+        task = asyncio.create_task(cache.compile_async(params))
+        ticks = 0
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0)
+        first = task.result()
+        again = await cache.compile_async(params)
+        assert again is first
+        with pytest.raises(InvalidRequestError, match="invalid regex"):
+            await cache.compile_async(StructuredOutputsParams(regex="(("))
+        return ticks
+
+    ticks = asyncio.run(main())
+    # compiled inline, the task would finish in the loop's first turn after it
+    assert ticks >= 2
 
 
 def test_n_children_each_follow_the_grammar(llm1):
@@ -221,3 +306,35 @@ def test_http_response_format_and_structured_outputs(tmp_path):
         assert ok.choices[0].finish_reason in ("stop", "length")
     finally:
         assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+def test_the_ban_is_lifted_only_where_the_grammar_allows_nothing_else():
+    """Both samplers' rule (let_grammar_win): a row's min_tokens ban goes only where
+    its grammar allows no token outside it; other rows keep theirs."""
+    from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+    from asyncllm.worker.structured import let_grammar_win
+
+    eos, other, words = 2, 40, 4
+    bitmask = np.zeros((3, words), dtype=np.int32)
+    bitmask[0, 0] = 1 << eos  # complete: EOS only
+    bitmask[1, 0] = 1 << eos
+    bitmask[1, other // 32] |= 1 << (other % 32)  # EOS or another token
+    bitmask[2, 0] = 1 << eos  # complete, but not banned
+    banned = TokenLists(
+        np.array([0, 2, 4, 4], dtype=np.int64),  # rows 0 and 1 ban EOS and 33
+        np.array([eos, 33, eos, 33], dtype=np.int64),
+        np.zeros(4, dtype=np.int64),
+    )
+    md = SamplingMetadata(
+        all_greedy=True,
+        params_f=np.zeros((3, 6), dtype=np.float32),
+        params_i=np.zeros((3, 6), dtype=np.int64),
+        seen=None,
+        banned=banned,
+        max_num_logprobs=None,
+        allowed=(np.arange(3, dtype=np.int64), bitmask),
+    )
+    let_grammar_win(md)
+    assert md.banned is not None
+    assert md.banned.offsets.tolist() == [0, 0, 2, 2]
+    assert md.banned.tokens.tolist() == [eos, 33]

@@ -141,6 +141,19 @@ def test_tools_reach_the_prompt(client, server, qwen_dir):
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50
 
 
+def test_tokenize_renders_tools_as_chat_does(client, server):
+    """/tokenize with `tools` counts the prompt the chat endpoint runs."""
+    with_tools = chat(client, tools=TOOLS, max_tokens=1)
+    status, body = post(server.url + "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    assert status == 200, body
+    assert body["count"] == with_tools.usage.prompt_tokens
+    status, plain = post(server.url + "/tokenize", {"messages": MESSAGES})
+    assert status == 200, plain
+    assert body["count"] > plain["count"] + 50
+    status, bad = post(server.url + "/tokenize", {"messages": MESSAGES, "tools": TOOLS + TOOLS[:1]})
+    assert status == 400 and "two functions named" in json.dumps(bad), bad
+
+
 def test_history_with_tool_calls_and_results_renders(server, qwen_dir):
     status, body = post(server.url + "/tokenize", {"messages": HISTORY})
     assert status == 200, body

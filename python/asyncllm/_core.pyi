@@ -566,11 +566,13 @@ class GrammarCompiler:
     def compile(self, kind: str, spec: str) -> Grammar:
         """Compiles (kind, spec) with the GIL released; ValueError names the problem."""
     def fill_bitmasks(
-        self, matchers: list[GrammarMatcher], out: _Buffer, rows: list[int]
+        self, matchers: list[GrammarMatcher], out: _Buffer, rows: list[int], threads: int = 1
     ) -> list[int]:
         """Writes each matcher's allowed tokens into row rows[i] of `out` (int32
-        [N, words]) with the GIL released; returns the indices of matchers in
-        error (their rows allow EOS only)."""
+        [N, words]) with the GIL released; matchers in the same state (grammar and
+        tokens) share one computed mask; `threads` > 1 computes the distinct masks
+        on a pool of that many threads, 1 serially on the calling thread. Returns
+        the indices of matchers in error (their rows allow EOS only)."""
     def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bytes:
         """Advances matchers[i] by tokens[i]; per matcher a GRAMMAR_* status (a byte)."""
 

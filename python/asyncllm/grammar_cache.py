@@ -9,8 +9,10 @@ compiling then runs with the GIL released.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from asyncllm import _core
@@ -20,6 +22,10 @@ from asyncllm.structured_outputs import StructuredOutputsParams
 # Compiled grammars kept (least recently used dropped first); each is small next
 # to a model, and a service usually sends a handful of schemas over and over.
 MAX_CACHED_GRAMMARS = 512
+
+# Threads compiling for `compile_async` (the server): a slow schema holds one of
+# these, never the event loop nor the threads that tokenize other requests.
+COMPILE_THREADS = 2
 
 
 class GrammarCache:
@@ -32,6 +38,7 @@ class GrammarCache:
         self._compiler: _core.GrammarCompiler | None = None
         self._grammars: OrderedDict[tuple[str, str], _core.Grammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
 
     @property
     def compiler(self) -> _core.GrammarCompiler:
@@ -69,3 +76,20 @@ class GrammarCache:
             if len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return grammar
+
+    async def compile_async(self, params: StructuredOutputsParams) -> _core.Grammar:
+        """`compile` for an event loop: a cached grammar at once, else compiled
+        (and the compiler built, on first use) on this cache's own threads, so
+        that one slow schema cannot stall the loop and every other client."""
+        key = (params.kind, params.spec())
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    COMPILE_THREADS, thread_name_prefix="grammar-compile"
+                )
+            executor = self._executor
+        return await asyncio.get_running_loop().run_in_executor(executor, self.compile, params)

@@ -9,12 +9,12 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use llguidance::Matcher;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use rayon::{ThreadPool, ThreadPoolBuilder};
 
 use super::kernels::{buffer, data_ptr};
-use crate::structured::{self, Compiler, Status};
+use crate::structured::{self, Compiler, Status, TrackedMatcher};
 
 fn value_err(e: impl ToString) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -26,6 +26,8 @@ fn value_err(e: impl ToString) -> PyErr {
 pub struct GrammarCompiler {
     inner: Arc<Compiler>,
     eos_row: Arc<Vec<u32>>,
+    // the fill's own threads, built on the first call that asks for more than one
+    pool: Mutex<Option<Arc<ThreadPool>>>,
 }
 
 /// A compiled constraint, shared by every request with the same one.
@@ -38,10 +40,12 @@ pub struct Grammar {
 /// One request's walk through a grammar.
 #[pyclass(frozen, module = "asyncllm._core")]
 pub struct GrammarMatcher {
-    inner: Mutex<Matcher>,
+    inner: Mutex<TrackedMatcher>,
 }
 
-fn lock_all<'a>(matchers: &'a [&'a GrammarMatcher]) -> PyResult<Vec<MutexGuard<'a, Matcher>>> {
+fn lock_all<'a>(
+    matchers: &'a [&'a GrammarMatcher],
+) -> PyResult<Vec<MutexGuard<'a, TrackedMatcher>>> {
     matchers
         .iter()
         .enumerate()
@@ -58,6 +62,30 @@ fn lock_all<'a>(matchers: &'a [&'a GrammarMatcher]) -> PyResult<Vec<MutexGuard<'
 fn matcher_refs<'a>(list: &'a [Bound<'_, GrammarMatcher>]) -> Vec<&'a GrammarMatcher> {
     // `get` on a frozen pyclass: a shared reference, valid while `list` is held
     list.iter().map(|b| b.get()).collect()
+}
+
+/// The most threads `fill_bitmasks` may be asked for.
+const MAX_FILL_THREADS: usize = 256;
+
+impl GrammarCompiler {
+    /// The fill's pool of `threads` threads (rebuilt if asked for another size).
+    fn pool(&self, threads: usize) -> PyResult<Arc<ThreadPool>> {
+        let mut slot = self
+            .pool
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("fill pool lock poisoned"))?;
+        if let Some(pool) = slot.as_ref().filter(|p| p.current_num_threads() == threads) {
+            return Ok(pool.clone());
+        }
+        let pool = ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("grammar-fill-{i}"))
+            .build()
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start fill threads: {e}")))?;
+        let pool = Arc::new(pool);
+        *slot = Some(pool.clone());
+        Ok(pool)
+    }
 }
 
 #[pymethods]
@@ -80,6 +108,7 @@ impl GrammarCompiler {
         Ok(GrammarCompiler {
             inner: Arc::new(inner),
             eos_row,
+            pool: Mutex::new(None),
         })
     }
 
@@ -110,18 +139,34 @@ impl GrammarCompiler {
 
     /// Writes the allowed tokens of `matchers[i]` into row `rows[i]` of `out`
     /// (a writable C-contiguous int32 buffer `[N, words]`), all with the GIL
-    /// released (rows in parallel where there are many). Returns the indices
-    /// of the matchers in error (their rows allow EOS only).
+    /// released. Matchers in the same state (same grammar, same tokens) share
+    /// one computed mask. With `threads` > 1 the distinct masks are computed
+    /// on a pool of that many threads where there are many; with 1 (the
+    /// default) serially on the calling thread, which costs least where the
+    /// forward pass keeps every core busy. Returns the indices of the matchers
+    /// in error (their rows allow EOS only).
     ///
     /// The caller keeps `out` to itself during the call (the runner's own
     /// array): nothing else may read or write it while the GIL is released.
+    #[pyo3(signature = (matchers, out, rows, threads = 1))]
     fn fill_bitmasks(
         &self,
         py: Python<'_>,
         matchers: Vec<Bound<'_, GrammarMatcher>>,
         out: &Bound<'_, PyAny>,
         rows: Vec<usize>,
+        threads: usize,
     ) -> PyResult<Vec<usize>> {
+        if !(1..=MAX_FILL_THREADS).contains(&threads) {
+            return Err(value_err(format!(
+                "threads must be in 1..={MAX_FILL_THREADS}, got {threads}"
+            )));
+        }
+        let pool = if threads > 1 {
+            Some(self.pool(threads)?)
+        } else {
+            None
+        };
         let words = self.inner.words();
         let buf = buffer::<i32>(out, "out", "int32", 2)?;
         if buf.readonly() {
@@ -168,8 +213,8 @@ impl GrammarCompiler {
                 .map(|&r| chunks[r].take().expect("rows are distinct"))
                 .collect();
             let mut guards = lock_all(&refs)?;
-            let mut ms: Vec<&mut Matcher> = guards.iter_mut().map(|g| &mut **g).collect();
-            let failed = structured::fill_masks(&mut ms, &mut dest, &eos_row);
+            let mut ms: Vec<&mut TrackedMatcher> = guards.iter_mut().map(|g| &mut **g).collect();
+            let failed = structured::fill_masks(&mut ms, &mut dest, &eos_row, pool.as_deref());
             Ok(failed
                 .iter()
                 .enumerate()
@@ -196,7 +241,7 @@ impl GrammarCompiler {
         let refs = matcher_refs(&matchers);
         py.detach(move || {
             let mut guards = lock_all(&refs)?;
-            let mut ms: Vec<&mut Matcher> = guards.iter_mut().map(|g| &mut **g).collect();
+            let mut ms: Vec<&mut TrackedMatcher> = guards.iter_mut().map(|g| &mut **g).collect();
             Ok(structured::advance(&mut ms, &tokens)
                 .into_iter()
                 .map(|s| s as u8)
@@ -225,7 +270,7 @@ impl GrammarMatcher {
     fn with<R: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut Matcher) -> R + Send,
+        f: impl FnOnce(&mut TrackedMatcher) -> R + Send,
     ) -> PyResult<R> {
         py.detach(|| {
             let mut m = self
@@ -260,7 +305,7 @@ impl GrammarMatcher {
     /// Why the matcher failed, or None.
     #[getter]
     fn error(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        self.with(py, |m| m.get_error())
+        self.with(py, |m| m.matcher().get_error())
     }
 }
 
@@ -295,31 +340,48 @@ fn apply_token_bitmask(
     if let Some(r) = rows.iter().find(|&&r| r >= n) {
         return Err(value_err(format!("row {r} is out of range ({n} rows)")));
     }
-    let mask: Vec<u32> = bb.to_vec(py)?.into_iter().map(|w| w as u32).collect();
-    let ptr = data_ptr(&lb) as usize;
+    let lptr = data_ptr(&lb) as usize;
+    let bptr = data_ptr(&bb) as usize;
     py.detach(move || {
-        // SAFETY: `lb` (held until `detach` returns) keeps the exporter's memory
-        // alive and in place; it is C-contiguous float32 of n * vocab elements
-        // (checked) and writable; the caller's contract: no other thread touches
-        // `logits` during the call.
-        let all: &mut [f32] = unsafe { std::slice::from_raw_parts_mut(ptr as *mut f32, n * vocab) };
+        // SAFETY: `lb` and `bb` (held until `detach` returns) keep the exporters'
+        // memory alive and in place; `logits` is C-contiguous float32 of
+        // n * vocab elements and writable, `bitmask` C-contiguous int32 of
+        // m * words (checked above; u32 has i32's size and alignment). The
+        // caller's contract: no other thread touches either during the call,
+        // and they are distinct arrays (one float32, one int32), so the shared
+        // slice never aliases the mutable one.
+        let all: &mut [f32] =
+            unsafe { std::slice::from_raw_parts_mut(lptr as *mut f32, n * vocab) };
+        let mask: &[u32] = unsafe { std::slice::from_raw_parts(bptr as *const u32, m * words) };
+        // one thread: memory-bound, so a second one measured no faster at best
+        // and much slower on a busy machine (its wake-up waits for a core)
         for (i, &r) in rows.iter().enumerate() {
-            let bits = &mask[i * words..(i + 1) * words];
-            let row = &mut all[r * vocab..(r + 1) * vocab];
-            for (w, chunk) in row.chunks_mut(32).enumerate() {
-                let word = bits[w];
-                if word == u32::MAX {
-                    continue;
-                }
-                for (b, x) in chunk.iter_mut().enumerate() {
-                    if word >> b & 1 == 0 {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
+            mask_row(
+                &mut all[r * vocab..(r + 1) * vocab],
+                &mask[i * words..(i + 1) * words],
+            );
         }
     });
     Ok(())
+}
+
+/// -inf at every token of `row` whose bit in `bits` is clear: whole words at a
+/// time where a word is all clear (the common case under a grammar) or all set,
+/// a branch-free select otherwise, so the compiler vectorises every case.
+fn mask_row(row: &mut [f32], bits: &[u32]) {
+    for (chunk, &word) in row.chunks_mut(32).zip(bits) {
+        if word == u32::MAX {
+            continue;
+        }
+        if word == 0 {
+            chunk.fill(f32::NEG_INFINITY);
+            continue;
+        }
+        for (b, x) in chunk.iter_mut().enumerate() {
+            let keep = (word >> b) & 1 != 0;
+            *x = if keep { *x } else { f32::NEG_INFINITY };
+        }
+    }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

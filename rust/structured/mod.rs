@@ -16,7 +16,10 @@ mod tests;
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use rayon::prelude::*;
+use rayon::ThreadPool;
 use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use thiserror::Error;
 use tokenizers::Tokenizer;
 use toktrie::{InferenceCapabilities, TokEnv};
@@ -59,15 +62,19 @@ pub struct Compiler {
 /// A compiled constraint: a matcher at its start, cloned for each request.
 pub struct Grammar {
     start: Matcher,
+    id: u64,
 }
+
+/// Tells compiled grammars apart (a matcher's state key starts from it).
+static NEXT_GRAMMAR_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Grammar {
     /// A fresh matcher at the start of this grammar. Its parser state is its own;
     /// the lexer's lazily built automaton is shared with every other matcher of
     /// this grammar (llguidance's plain `clone`), so it is built once, not per
     /// request.
-    pub fn matcher(&self) -> Matcher {
-        self.start.clone()
+    pub fn matcher(&self) -> TrackedMatcher {
+        TrackedMatcher::new(self.start.clone(), self.id)
     }
 }
 
@@ -158,7 +165,10 @@ impl Compiler {
         if let Some(e) = start.get_error() {
             return Err(invalid(e));
         }
-        Ok(Grammar { start })
+        Ok(Grammar {
+            start,
+            id: NEXT_GRAMMAR_ID.fetch_add(1, Ordering::Relaxed),
+        })
     }
 }
 
@@ -198,7 +208,8 @@ fn choice(spec: &str) -> Result<TopLevelGrammar, StructuredError> {
     )))
 }
 
-/// Rows at least this many are filled in parallel; fewer cost less on one thread.
+/// Unique rows at least this many are filled in parallel (given a pool);
+/// fewer cost less on one thread.
 const PARALLEL_ROWS: usize = 8;
 
 /// Fills `rows[i]` (one bitmask row each, `eos_row.len()` words) with the
@@ -206,16 +217,39 @@ const PARALLEL_ROWS: usize = 8;
 /// EOS only too where the matcher failed (so the request ends; its status says
 /// why). Returns per row whether the matcher is in error. `eos_row` is
 /// `Compiler::eos_row`.
+///
+/// A matcher's state is a function of its grammar and the tokens it consumed,
+/// so rows with the same (grammar, tokens) (the `n > 1` children of a request,
+/// rows at the start of the same schema, rows a forced prefix brought to the
+/// same place) have the same mask: it is computed once and copied.
+/// The distinct masks are computed on `pool` where one is given and there are
+/// many, else serially on the calling thread (where the forward pass already
+/// keeps every core busy, more threads only steal its cores).
 pub fn fill_masks(
-    matchers: &mut [&mut Matcher],
+    matchers: &mut [&mut TrackedMatcher],
     rows: &mut [&mut [u32]],
     eos_row: &[u32],
+    pool: Option<&ThreadPool>,
 ) -> Vec<bool> {
     assert_eq!(matchers.len(), rows.len(), "one bitmask row per matcher");
     let words = eos_row.len();
-    let fill = |(m, row): (&mut &mut Matcher, &mut &mut [u32])| -> bool {
+    // same_as[i]: the first row j <= i with row i's state
+    let mut first: HashMap<u64, Vec<usize>> = HashMap::with_capacity(matchers.len());
+    let mut same_as: Vec<usize> = Vec::with_capacity(matchers.len());
+    for (i, m) in matchers.iter().enumerate() {
+        let candidates = first.entry(m.key).or_default();
+        let found = candidates
+            .iter()
+            .copied()
+            .find(|&j| matchers[j].same_state(m));
+        same_as.push(found.unwrap_or_else(|| {
+            candidates.push(i);
+            i
+        }));
+    }
+    let fill = |(m, row): (&mut &mut TrackedMatcher, &mut &mut [u32])| -> bool {
         assert_eq!(row.len(), words, "bitmask row width");
-        match m.compute_mask_or_eos() {
+        match m.m.compute_mask_or_eos() {
             Ok(mask) => {
                 let src = mask.as_slice();
                 let n = src.len().min(words);
@@ -229,19 +263,101 @@ pub fn fill_masks(
             }
         }
     };
-    if matchers.len() >= PARALLEL_ROWS {
-        matchers
-            .par_iter_mut()
-            .zip(rows.par_iter_mut())
-            .map(fill)
-            .collect()
-    } else {
-        matchers.iter_mut().zip(rows.iter_mut()).map(fill).collect()
+    // the distinct states, computed; then every other row copies its twin's mask
+    let mut unique: Vec<(&mut &mut TrackedMatcher, &mut &mut [u32])> = matchers
+        .iter_mut()
+        .zip(rows.iter_mut())
+        .enumerate()
+        .filter(|(i, _)| same_as[*i] == *i)
+        .map(|(_, pair)| pair)
+        .collect();
+    let failed_unique: Vec<bool> = match pool {
+        Some(pool) if unique.len() >= PARALLEL_ROWS => {
+            pool.install(|| unique.par_iter_mut().map(|(m, r)| fill((m, r))).collect())
+        }
+        _ => unique.iter_mut().map(|(m, r)| fill((m, r))).collect(),
+    };
+    let mut failed = vec![false; matchers.len()];
+    let mut k = 0;
+    for i in 0..matchers.len() {
+        let j = same_as[i];
+        if j == i {
+            failed[i] = failed_unique[k];
+            k += 1;
+        } else {
+            failed[i] = failed[j];
+            let (head, tail) = rows.split_at_mut(i);
+            tail[0].copy_from_slice(head[j]);
+        }
+    }
+    failed
+}
+
+/// A request's matcher with what identifies its state: its grammar and the
+/// tokens it consumed (kept, with their running hash, so twins are found
+/// exactly, not by hash alone).
+pub struct TrackedMatcher {
+    m: Matcher,
+    grammar: u64,
+    key: u64,
+    tokens: Vec<u32>,
+}
+
+impl TrackedMatcher {
+    fn new(m: Matcher, grammar: u64) -> Self {
+        TrackedMatcher {
+            m,
+            grammar,
+            key: mix(grammar),
+            tokens: Vec::new(),
+        }
+    }
+
+    fn same_state(&self, other: &TrackedMatcher) -> bool {
+        self.key == other.key
+            && self.grammar == other.grammar
+            && self.m.is_error() == other.m.is_error()
+            && self.tokens == other.tokens
+    }
+
+    fn push(&mut self, t: u32) {
+        self.tokens.push(t);
+        self.key = mix(self.key ^ u64::from(t));
+    }
+
+    /// The llguidance matcher (its error text, its captures).
+    pub fn matcher(&self) -> &Matcher {
+        &self.m
+    }
+
+    /// Undoes the last `num_tokens` consumed tokens (rejected speculation).
+    pub fn rollback(&mut self, num_tokens: usize) -> Result<(), String> {
+        if num_tokens > self.tokens.len() {
+            return Err(format!(
+                "cannot roll back {num_tokens} tokens: {} consumed",
+                self.tokens.len()
+            ));
+        }
+        self.m.rollback(num_tokens).map_err(|e| e.to_string())?;
+        self.tokens.truncate(self.tokens.len() - num_tokens);
+        self.key = self
+            .tokens
+            .iter()
+            .fold(mix(self.grammar), |k, &t| mix(k ^ u64::from(t)));
+        Ok(())
     }
 }
 
+/// splitmix64's finaliser: a cheap, well-mixed step of the running hash.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
 /// Advances `matchers[i]` by `tokens[i]`.
-pub fn advance(matchers: &mut [&mut Matcher], tokens: &[u32]) -> Vec<Status> {
+pub fn advance(matchers: &mut [&mut TrackedMatcher], tokens: &[u32]) -> Vec<Status> {
     assert_eq!(matchers.len(), tokens.len(), "one token per matcher");
     matchers
         .iter_mut()
@@ -251,25 +367,26 @@ pub fn advance(matchers: &mut [&mut Matcher], tokens: &[u32]) -> Vec<Status> {
 }
 
 /// Consumes `tokens` (e.g. a resumed request's outputs so far).
-pub fn consume(m: &mut Matcher, tokens: &[u32]) -> Status {
-    if m.is_error() {
+pub fn consume(m: &mut TrackedMatcher, tokens: &[u32]) -> Status {
+    if m.m.is_error() {
         return Status::Error;
     }
     for &t in tokens {
-        if m.is_stopped() {
+        if m.m.is_stopped() {
             break; // the EOS after the end of the grammar, or anything past it
         }
-        if m.consume_token(t).is_err() {
+        m.push(t);
+        if m.m.consume_token(t).is_err() {
             return Status::Error;
         }
     }
     status(m)
 }
 
-pub fn status(m: &Matcher) -> Status {
-    if m.is_error() {
+pub fn status(m: &TrackedMatcher) -> Status {
+    if m.m.is_error() {
         Status::Error
-    } else if m.is_stopped() {
+    } else if m.m.is_stopped() {
         Status::Complete
     } else {
         Status::Running

@@ -19,14 +19,14 @@ fn allowed(row: &[u32], t: u32) -> bool {
 
 /// Walks `m` greedily by the lowest allowed token (deterministic), returning the
 /// text it spelt and whether the grammar completed within `max` tokens.
-fn walk(c: &Compiler, m: &mut Matcher, max: usize) -> (String, bool) {
+fn walk(c: &Compiler, m: &mut TrackedMatcher, max: usize) -> (String, bool) {
     let words = c.words();
     let eos = c.eos_row();
     let trie = c.factory.tok_env().tok_trie().clone();
     let mut row = vec![0u32; words];
     let mut out = Vec::new();
     for _ in 0..max {
-        let failed = fill_masks(&mut [&mut *m], &mut [&mut row[..]], &eos);
+        let failed = fill_masks(&mut [&mut *m], &mut [&mut row[..]], &eos, None);
         assert_eq!(failed, vec![false]);
         // prefer a non-EOS token so the walk explores the grammar
         let eos_tokens = trie.eos_tokens().to_vec();
@@ -93,11 +93,11 @@ fn lark_grammar_and_eos_only_where_it_can_end() {
     let eos = c.eos_row();
     let eos_id = c.factory.tok_env().tok_trie().eos_token();
     let mut row = vec![0u32; words];
-    fill_masks(&mut [&mut m], &mut [&mut row[..]], &eos);
+    fill_masks(&mut [&mut m], &mut [&mut row[..]], &eos, None);
     assert!(!allowed(&row, eos_id), "EOS before the grammar can end");
     let ab = c.factory.tok_env().tokenize("ab");
     assert_eq!(consume(&mut m, &ab), Status::Running);
-    fill_masks(&mut [&mut m], &mut [&mut row[..]], &eos);
+    fill_masks(&mut [&mut m], &mut [&mut row[..]], &eos, None);
     assert!(allowed(&row, eos_id), "EOS where the grammar can end");
     assert_eq!(advance(&mut [&mut m], &[eos_id]), vec![Status::Complete]);
 }
@@ -111,7 +111,7 @@ fn disallowed_token_is_an_error_and_masks_eos_only() {
     assert_eq!(advance(&mut [&mut m], &[z]), vec![Status::Error]);
     let words = c.words();
     let mut row = vec![0u32; words];
-    let failed = fill_masks(&mut [&mut m], &mut [&mut row[..]], &c.eos_row());
+    let failed = fill_masks(&mut [&mut m], &mut [&mut row[..]], &c.eos_row(), None);
     assert_eq!(failed, vec![true]);
     assert_eq!(row, c.eos_row());
 }
@@ -139,22 +139,67 @@ fn many_rows_in_parallel_match_one_by_one() {
         .unwrap();
     let words = c.words();
     let eos = c.eos_row();
-    let mut ms: Vec<Matcher> = (0..16).map(|_| g.matcher()).collect();
-    let tok = c.factory.tok_env().tokenize("[1,");
-    for (i, m) in ms.iter_mut().enumerate() {
-        if i % 2 == 1 {
-            consume(m, &tok);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let env = c.factory.tok_env().clone();
+    // rows at three places: the start, after "[1," and after "[12,3" (the
+    // last two spelt by different tokens per row, so twins and strangers mix)
+    let prefixes = ["", "[1,", "[12,3"];
+    for with_pool in [None, Some(&pool)] {
+        let mut ms: Vec<TrackedMatcher> = (0..24).map(|_| g.matcher()).collect();
+        for (i, m) in ms.iter_mut().enumerate() {
+            let text = prefixes[i % 3];
+            if i % 2 == 0 {
+                consume(m, &env.tokenize(text));
+            } else {
+                // byte by byte: the same text in other tokens
+                for ch in text.chars() {
+                    consume(m, &env.tokenize(&ch.to_string()));
+                }
+            }
+        }
+        let mut batch = vec![0u32; 24 * words];
+        let mut refs: Vec<&mut TrackedMatcher> = ms.iter_mut().collect();
+        let mut rows: Vec<&mut [u32]> = batch.chunks_mut(words).collect();
+        fill_masks(&mut refs, &mut rows, &eos, with_pool);
+        for (i, m) in ms.iter_mut().enumerate() {
+            let mut row = vec![0u32; words];
+            fill_masks(&mut [m], &mut [&mut row[..]], &eos, None);
+            assert_eq!(&batch[i * words..(i + 1) * words], &row[..], "row {i}");
         }
     }
-    let mut batch = vec![0u32; 16 * words];
-    let mut refs: Vec<&mut Matcher> = ms.iter_mut().collect();
+}
+
+#[test]
+fn twins_share_a_mask_and_part_when_their_tokens_do() {
+    let c = tiny();
+    let g = c.compile("regex", "(ab|cd)+").unwrap();
+    let h = c.compile("regex", "(ab|cd)+").unwrap();
+    let env = c.factory.tok_env().clone();
+    let (a, cc) = (env.tokenize("a")[0], env.tokenize("c")[0]);
+    let mut x = g.matcher();
+    let mut y = g.matcher();
+    assert!(x.same_state(&y), "two fresh matchers of one grammar");
+    assert!(
+        !x.same_state(&h.matcher()),
+        "another grammar, even if equal"
+    );
+    advance(&mut [&mut x, &mut y], &[a, a]);
+    assert!(x.same_state(&y));
+    let (words, eos) = (c.words(), c.eos_row());
+    let mut batch = vec![0u32; 2 * words];
     let mut rows: Vec<&mut [u32]> = batch.chunks_mut(words).collect();
-    fill_masks(&mut refs, &mut rows, &eos);
-    for (i, m) in ms.iter_mut().enumerate() {
-        let mut row = vec![0u32; words];
-        fill_masks(&mut [m], &mut [&mut row[..]], &eos);
-        assert_eq!(&batch[i * words..(i + 1) * words], &row[..], "row {i}");
-    }
+    fill_masks(&mut [&mut x, &mut y], &mut rows, &eos, None);
+    assert_eq!(batch[..words], batch[words..], "twins, one mask");
+    let mut z = g.matcher();
+    advance(&mut [&mut z], &[cc]);
+    assert!(!x.same_state(&z));
+    // rollback restores the state key: after undoing "c", z is fresh again
+    z.rollback(1).unwrap();
+    assert!(z.same_state(&g.matcher()));
+    assert!(z.rollback(1).is_err(), "nothing left to undo");
 }
 
 #[test]

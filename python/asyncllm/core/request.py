@@ -140,7 +140,11 @@ class Request:
         """Called after `token_id` was appended; marks the request finished if it
         must stop here. Returns whether it did."""
         n_out = self.num_output_tokens
-        if token_id in self.stop_token_ids and n_out > self.sampling_params.min_tokens:
+        # a constrained request's sampler lets a stop token through before
+        # min_tokens only where its grammar allows nothing else: the grammar wins
+        if token_id in self.stop_token_ids and (
+            n_out > self.sampling_params.min_tokens or self.grammar is not None
+        ):
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id
             return True

@@ -28,6 +28,7 @@ from asyncllm.server.protocol import (
 from asyncllm.server.serving_base import off_loop
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_tools import template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,12 @@ class Handlers:
         serving = self.completions
         serving.check_model(req.model)
         if req.messages is not None:
-            _, ids = await self.chat.tokenize_messages(req.messages, req.add_generation_prompt)
+            # the tools and template options as /v1/chat/completions renders them
+            extra = {"tools": template_tools(req.tools)} if req.tools else {}
+            extra.update(req.chat_template_kwargs or {})
+            _, ids = await self.chat.tokenize_messages(
+                req.messages, req.add_generation_prompt, extra
+            )
         elif req.prompt is not None:
             serving.limits.check_chars(len(req.prompt), "prompt")
             ids = await serving.encode(req.prompt, req.add_special_tokens)

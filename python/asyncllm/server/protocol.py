@@ -214,6 +214,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # with `messages`: rendered through the chat template as the chat endpoint does
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

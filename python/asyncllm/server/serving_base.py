@@ -79,11 +79,16 @@ class ServingBase:
         if self.engine.errored:
             raise APIError(503, "the engine is not running", code="engine_dead")
 
-    def check_params(self, params: SamplingParams) -> None:
+    async def check_params(self, params: SamplingParams) -> None:
         """What the engine would reject only after the response has started (ids
-        against the vocabulary, the seeds of the n choices): a 400 up front."""
+        against the vocabulary, the seeds of the n choices, a constraint that does
+        not compile): a 400 up front. The constraint compiles off the event loop;
+        the check below then finds it cached."""
+        processor = self.engine.input_processor
         try:
-            self.engine.input_processor.check_params(params)
+            if params.structured_outputs is not None:
+                await processor.grammars.compile_async(params.structured_outputs)
+            processor.check_params(params)
         except InvalidRequestError as exc:
             match = _PARAM.match(str(exc))
             raise bad_request(str(exc), match.group(0) if match else None) from None

@@ -92,7 +92,7 @@ class ChatServing(ServingBase):
         params = req.sampling_params(max_tokens)
         if plan:
             params = constrain(req, plan, params)
-        self.check_params(params)
+        await self.check_params(params)
         self.limits.check_response_size(
             [len(ids)],
             [max_tokens],

@@ -71,7 +71,7 @@ class CompletionServing(ServingBase):
             p.request_id = base_id if len(prompts) == 1 else f"{base_id}-{p.index}"
         params = prompts[0].params
         assert params is not None
-        self.check_params(params)
+        await self.check_params(params)
         self.limits.check_response_size(
             [len(p.ids) for p in prompts],
             [0 if prompt_only else m for m in max_tokens],

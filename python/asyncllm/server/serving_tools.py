@@ -50,6 +50,16 @@ class ToolPlan:
         return reason
 
 
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """`tools` as the chat template gets them (the same for /tokenize as for
+    /v1/chat/completions); a 400 if two functions share a name."""
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise bad_request(f"tools has two functions named {dup!r}", "tools")
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
 def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser]) -> ToolPlan | None:
     """The request's tool plan (None without tools); 400s name the field at fault."""
     choice = req.tool_choice
@@ -58,10 +68,7 @@ def plan_tools(req: ChatCompletionRequest, parser: type[ToolParser]) -> ToolPlan
             raise bad_request("tool_choice needs tools", "tool_choice")
         return None
     names = [t.function.name for t in req.tools]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise bad_request(f"tools has two functions named {dup!r}", "tools")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    tools = template_tools(req.tools)
     parallel = req.parallel_tool_calls
     if choice == "none":
         return ToolPlan("none", tools, None)

@@ -10,6 +10,7 @@ import torch
 from asyncllm import _core
 from asyncllm.worker.sampler_reference import SamplerOutput
 from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+from asyncllm.worker.structured import let_grammar_win
 
 _NO_TOKENS = TokenLists(
     np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -33,6 +34,7 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float().contiguous()
     n = logits.shape[0]
     if md.allowed is not None:  # tokens outside a row's grammar: -inf, in place
+        let_grammar_win(md)
         rows, bitmask = md.allowed
         _core._apply_token_bitmask(logits.numpy(), bitmask, rows.tolist())
     width = 0 if md.max_num_logprobs is None else md.max_num_logprobs + 1

@@ -31,6 +31,7 @@ from asyncllm.worker.input_batch import (
     I_TOP_K,
 )
 from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+from asyncllm.worker.structured import let_grammar_win
 
 _NEG_INF = float("-inf")
 
@@ -66,6 +67,7 @@ def sample_torch(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Samples every row of `logits` [n, vocab] (any device) as `md` says."""
     raw = logits.float()
     if md.allowed is not None:
+        let_grammar_win(md)
         raw = apply_token_bitmask(raw, *md.allowed)
     # NaN is never sampled, as in the kernel; masked unconditionally: asking
     # whether any is there would wait for the device before the draw is queued
