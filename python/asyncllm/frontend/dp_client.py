@@ -70,11 +70,13 @@ def make_client(
 
 
 def _threads_per_core(args: EngineArgs) -> int | None:
-    """Each core's torch threads: what the user asked for, else the machine's CPUs
-    shared out, unless OMP_NUM_THREADS says how many (torch's default then)."""
+    """Each core's torch threads (each tensor-parallel rank's): what the user asked
+    for, else the machine's CPUs shared out among all ranks of all cores, unless
+    OMP_NUM_THREADS says how many (torch's default then)."""
     if args.num_threads is not None or os.environ.get("OMP_NUM_THREADS"):
         return args.num_threads
-    return max(1, (os.cpu_count() or 1) // args.data_parallel_size)
+    ranks = args.data_parallel_size * args.tensor_parallel_size
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 class DPClient:

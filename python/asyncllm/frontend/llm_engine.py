@@ -133,6 +133,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self._stepper is not None:
             self._stepper.close()
+        if self.core is not None:  # in-process: its trace, its tensor-parallel workers
+            self.core.close()
         if self.client is not None:
             self.client.shutdown()
         if self.tracer is not None:
