@@ -62,6 +62,86 @@ def test_long_request_holds_a_bounded_number_of_blocks(mistral_dir: Path, overla
     assert pool.num_free_blocks == pool.num_blocks  # and everything comes back
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_more_long_requests_than_the_pool_holds_at_full_length(
+    mistral_dir: Path, overlap: bool
+) -> None:
+    """A pool of 12 blocks (48 tokens) serves 4 requests of 50 tokens each (52
+    blocks at full length), all at once: each counts only what its window holds,
+    its prompt (5 windows long) runs in the chunks that fit, and the outputs still
+    equal transformers."""
+    hf_config = load_hf_config(mistral_dir)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, hf_config.vocab_size, (30,), generator=g).tolist() for _ in "abcd"]
+    max_tokens = 20
+    expected = _hf_greedy(mistral_dir, prompts, max_tokens)
+    num_blocks = 12
+    full_length = -(-(30 + max_tokens) // BLOCK_SIZE)
+    assert len(prompts) * full_length > 4 * num_blocks  # could not even hold 4 requests' worth
+
+    llm = LLM(
+        str(mistral_dir),
+        multiprocess=False,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=64,  # a whole prompt per step if the pool had room
+        async_scheduling=overlap,
+    )
+    core = llm.engine.core
+    pool, sched = core.kv_cache.pool, core.scheduler
+    running: list[int] = []
+    original = sched.schedule
+
+    def schedule():  # after each step's allocation: how many requests hold blocks
+        out = original()
+        running.append(len(sched.running))
+        return out
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == expected
+    assert max(running) == len(prompts), running  # all four at once, in 12 blocks
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_prefix_hit_takes_only_the_blocks_in_its_window() -> None:
+    """A windowed request whose first 40 tokens are cached (10 blocks, all on the
+    free list) shares only the 2 its first query can read, so it is admitted where
+    taking all 10 would leave 1 free block for the 2 new ones its chunk needs."""
+    from asyncllm.core.kv_cache_manager import KVCacheManager
+    from asyncllm.core.request import Request
+    from asyncllm.core.scheduler import Scheduler
+
+    def request(rid: int, num_tokens: int) -> Request:
+        return Request(
+            rid,
+            list(range(1, num_tokens + 1)),
+            SamplingParams(max_tokens=1),
+            eos_token_ids=[0],
+            max_model_len=256,
+            block_size=BLOCK_SIZE,
+            hash_blocks=True,
+        )
+
+    kv = KVCacheManager(16, BLOCK_SIZE, True, sliding_window=WINDOW)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    sched.add_request(request(1, 41))
+    so = sched.schedule()  # the whole prompt in one step: 11 blocks, 10 of them full
+    sched.update_from_output(so, {1: 7})
+    assert not sched.has_unfinished_requests()
+    kv.pool.get_new_blocks(5)  # the never-used blocks: the 11 cached ones are left
+    assert kv.num_free_blocks == 11
+    sched.add_request(request(2, 48))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {2: 8}  # 40 tokens hit, 8 to compute
+    assert kv.prefix_cache_hits == 40
+    # the 2 hit blocks in the window (positions 32..39) and 2 new ones; 8 stay cached
+    assert kv.num_held_blocks(2) == 4
+    assert kv.num_free_blocks == 11 - 4
+
+
 def test_any_global_layer_keeps_every_block(tmp_path: Path) -> None:
     """Gemma's global layers and Qwen's first max_window_layers read the whole
     context: nothing can be given back."""
