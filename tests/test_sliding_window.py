@@ -142,6 +142,53 @@ def test_prefix_hit_takes_only_the_blocks_in_its_window() -> None:
     assert kv.num_free_blocks == 11 - 4
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+def test_torch_window_decode_gathers_only_the_window(softcap: float | None) -> None:
+    """The torch decode path (CUDA, half precision, soft-capping) of a sliding-window
+    layer gathers each decode's window, not its context: the same number of
+    blocks at every context length, and the output of the Rust kernel's path (or,
+    soft-capped, of attending over the whole context with the window masked)."""
+    import numpy as np
+
+    from asyncllm.models import attention
+
+    window, bs, heads, kv_heads, dim = 20, 4, 4, 2, 16
+    num_blocks = 300
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=g)
+    widths = []
+    for scale in (1, 2, 4, 8):  # decodes of context up to `scale` windows
+        lens = np.array([3, window - 1, window, window + 1, scale * window, scale * window + 3])
+        perm = torch.randperm(num_blocks, generator=g).numpy()
+        max_blocks = int(-(-lens.max() // bs))
+        tables = perm[: len(lens) * max_blocks].reshape(len(lens), max_blocks)
+        slots = tables[np.arange(len(lens)), (lens - 1) // bs] * bs + (lens - 1) % bs
+        meta = attention.build_attention_metadata(
+            np.ones(len(lens), np.int64), lens - 1, tables, slots, bs, torch.device("cpu")
+        )
+        q = torch.randn(len(lens), heads, dim, generator=g)
+        k = v = torch.randn(len(lens), kv_heads, dim, generator=g)
+        # the kernel's path, which writes this step's k/v into the cache first
+        kernel = attention.paged_attention(q, k, v, cache, meta, 0.25, window=window)
+        group = meta.window_decodes(window)
+        widths.append(group.block_tables.shape[1])
+        got = attention._torch_decode_group(q, cache, group, 0.25, softcap)
+        if softcap is None:
+            want = kernel
+        else:  # the whole context, the window masked
+            cols = np.arange(lens.max())[None, :]
+            keep = (cols < lens[:, None]) & (cols >= lens[:, None] - window)
+            full = attention.DecodeGroup(
+                None,
+                meta.decode_block_tables,
+                int(lens.max()),
+                torch.from_numpy(keep)[:, None, None],
+            )
+            want = attention._torch_decode_group(q, cache, full, 0.25, softcap)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert widths == [-(-window // bs) + 1] * 4, widths  # flat in the context length
+
+
 def test_any_global_layer_keeps_every_block(tmp_path: Path) -> None:
     """Gemma's global layers and Qwen's first max_window_layers read the whole
     context: nothing can be given back."""
