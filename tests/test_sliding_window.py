@@ -228,3 +228,54 @@ def test_layer_windows_from_config_json(
     raw = {"architectures": [arch], "num_hidden_layers": 4, **fields}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert layer_windows(load_hf_config(tmp_path)) == windows
+
+
+@pytest.mark.parametrize(
+    ("arch", "config_name", "fields"),
+    [
+        ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", {"use_sliding_window": True}),
+        (
+            "Qwen2MoeForCausalLM",
+            "Qwen2MoeConfig",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3},
+        ),
+        ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", {"sliding_window": 8}),
+        (
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeConfig",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+        ),
+        (
+            "Qwen3ForCausalLM",
+            "Qwen3Config",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+        ),
+        ("MixtralForCausalLM", "MixtralConfig", {"sliding_window": 8}),
+    ],
+)
+def test_layer_windows_as_transformers_reads_them(
+    tmp_path: Path, arch: str, config_name: str, fields: dict
+) -> None:
+    """A config.json without `layer_types` means the windows transformers' config
+    class derives from it (Qwen2-MoE: every other layer below max_window_layers;
+    Qwen3-MoE and Mixtral: every layer, max_window_layers aside)."""
+    import json
+
+    import transformers
+
+    from asyncllm.models.hf_config import layer_windows
+
+    raw = {"architectures": [arch], "num_hidden_layers": 6, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = getattr(transformers, config_name)(
+        **{k: v for k, v in raw.items() if k != "architectures"}
+    )
+    types = getattr(theirs, "layer_types", None)
+    if types is None:  # the model applies `sliding_window` to every layer
+        want = [theirs.sliding_window or None] * 6
+    else:
+        want = [theirs.sliding_window if t == "sliding_attention" else None for t in types]
+    assert layer_windows(load_hf_config(tmp_path)) == want
+    assert any(w is not None for w in want) == bool(
+        fields.get("use_sliding_window", arch.startswith("Mixtral"))
+    )
