@@ -25,10 +25,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         sliding_window: int | None = None,
+        uncached_prompts_over: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        # Prompts longer than this neither hit nor fill the prefix cache: their K/V
+        # differ from a shorter prompt's at the same tokens (Phi-3's longrope).
+        self.uncached_prompts_over = uncached_prompts_over
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[int, list[KVBlock]] = {}
         self._num_cached_blocks: dict[int, int] = {}
@@ -50,6 +54,9 @@ class KVCacheManager:
         allocation. At least one token is always left to compute, since the model
         must produce logits for the last one. A request that wants prompt logprobs
         (even 0 of them: the prompt tokens' own) computes its whole prompt."""
+        limit = self.uncached_prompts_over
+        if limit is not None and request.num_prompt_tokens > limit:
+            request.block_hashes = None  # and so never registered either
         hashes = request.block_hashes
         if (
             not self.enable_caching

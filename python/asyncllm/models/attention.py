@@ -112,6 +112,10 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     block_size: int = 0
+    # Host, per sequence in batch order: query lengths, and prompt lengths where the
+    # runner passes them (models whose rotation depends on them: Phi-3's longrope).
+    query_lens: np.ndarray | None = None
+    prompt_lens: np.ndarray | None = None
     # Host copies of the decodes' block tables and seq_lens, for `window_decodes`.
     _decode_tables_host: np.ndarray | None = field(default=None, repr=False)
     _decode_lens_host: np.ndarray | None = field(default=None, repr=False)
@@ -150,10 +154,12 @@ def build_attention_metadata(
     slot_mapping: np.ndarray,
     block_size: int,
     device: torch.device,
+    prompt_lens: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """Build a step's metadata from the runner's per-sequence arrays (batch order, all
     1-token queries first). `block_tables` rows may be padded past what a sequence owns;
-    only the first ceil(seq_len / block_size) entries of a row are read."""
+    only the first ceil(seq_len / block_size) entries of a row are read. `prompt_lens`
+    (each sequence's prompt length) only for models that ask (`uses_prompt_lens`)."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
     seq_lens = context_lens + query_lens
@@ -207,6 +213,8 @@ def build_attention_metadata(
         decode_groups=decode_groups,
         prefills=prefills,
         block_size=block_size,
+        query_lens=query_lens,
+        prompt_lens=prompt_lens,
     )
     if num_decodes:
         meta._decode_tables_host, meta._decode_lens_host = dec_tables, dec_lens

@@ -228,3 +228,20 @@ def kv_window(hf_config: Any) -> int | None:
     if not windows or any(w is None for w in windows):
         return None
     return max(w for w in windows if w is not None)
+
+
+def longrope_original(hf_config: Any) -> int | None:
+    """With `longrope` scaling (Phi-3), `original_max_position_embeddings`: a sequence
+    whose prompt is longer rotates with the long factors from its first token on
+    (transformers picks the factors by a forward's length), so its K/V differ from
+    a shorter prompt's and must not be shared through the prefix cache. None
+    without longrope."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    if (params.get("rope_type") or params.get("type")) != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    return int(original or hf_config.max_position_embeddings)
