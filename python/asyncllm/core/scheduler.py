@@ -128,7 +128,7 @@ class Scheduler:
                     break
                 if windowed and num_new > 1:  # a shorter prompt chunk may fit
                     fit = kv.fit_tokens(request, num_new)
-                    if fit:
+                    if 0 < fit < num_new:
                         num_new = fit
                         continue
                 victim = running.pop()
