@@ -9,9 +9,10 @@ floor a non-paged engine gets). Each includes writing the step's new k/v. Runs a
 interleaved (rust, torch, contig, rust, ...) so that the noise of a shared machine
 hits all three alike; medians in ms per layer call, ratios to contig.
 
-`--window W` instead times the sliding-window decode (Rust kernel, `window=W`)
-at contexts W, 2W and 4W beside the same call without a window: windowed time
-stays flat in the context, full attention grows with it.
+`--window W` instead times the sliding-window decode (`window=W`) at contexts W,
+2W and 4W, on the Rust kernel beside the same call without a window, and on the
+torch path (which gathers each decode's window blocks only): windowed time stays
+flat in the context, full attention grows with it.
 
 The kernel runs on torch's OpenMP team; `ASYNCLLM_KERNEL_POOL=rayon` runs it on a
 rayon pool of its own instead (read once per process: to compare the two, alternate
@@ -66,11 +67,18 @@ def main() -> None:
 def bench_window(window: int, repeats: int, threads: int) -> None:
     heads, kv_heads, head_dim = CONFIGS["small"]
     print(f"threads={threads}  batch=256  block_size=16  small  window={window}")
-    print(f"{'ctx':>6} {'windowed ms':>11} {'full ms':>8} {'windowed/full':>13}")
+    print(
+        f"{'ctx':>6} {'windowed ms':>11} {'full ms':>8} {'windowed/full':>13} "
+        f"{'torch windowed ms':>17}"
+    )
     for ctx in (window, 2 * window, 4 * window):
-        windowed = bench(heads, kv_heads, head_dim, ctx, repeats, window, rust_only=True)[0]
-        full = bench(heads, kv_heads, head_dim, ctx, repeats, rust_only=True)[0]
-        print(f"{ctx:>6} {windowed:11.2f} {full:8.2f} {windowed / full:13.2f}")
+        windowed, torch_windowed = bench(
+            heads, kv_heads, head_dim, ctx, repeats, window, paths=("rust", "torch")
+        )
+        full = bench(heads, kv_heads, head_dim, ctx, repeats, paths=("rust",))[0]
+        print(
+            f"{ctx:>6} {windowed:11.2f} {full:8.2f} {windowed / full:13.2f} {torch_windowed:17.2f}"
+        )
 
 
 def bench(
@@ -80,7 +88,7 @@ def bench(
     ctx: int,
     repeats: int,
     window: int | None = None,
-    rust_only: bool = False,
+    paths: tuple[str, ...] = ("rust", "torch", "contig"),
 ) -> list[float]:
     batch, block_size = 256, 16
     rng = np.random.default_rng(0)
@@ -131,9 +139,8 @@ def bench(
         finally:
             attention.can_use_native_decode = saved  # type: ignore[assignment]
 
-    fns: list[Callable[[], None]] = [paged_rust, paged_torch, contiguous]
-    if rust_only:
-        fns = [paged_rust]
+    by_name = {"rust": paged_rust, "torch": paged_torch, "contig": contiguous}
+    fns: list[Callable[[], None]] = [by_name[name] for name in paths]
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -307,8 +308,9 @@ def test_unknown_architecture_lists_every_family(tmp_path: Path) -> None:
 
 def test_longrope_tables_match_transformers() -> None:
     """Phi-3's longrope: below original_max_position_embeddings the short factors,
-    from there on the long ones (transformers switches a whole pass once it is
-    past that length), both times the attention factor, on the rotary half."""
+    from there on the long ones, and the long ones everywhere for a sequence whose
+    prompt is longer (transformers switches a whole pass once it is past that
+    length), both times the attention factor, on the rotary half."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from asyncllm.models.layers import rope_parameters
@@ -322,13 +324,49 @@ def test_longrope_tables_match_transformers() -> None:
     rotary_dim = config.head_dim // 2  # partial_rotary_factor 0.5
     rotary = LongRopeEmbedding(rotary_dim, config.max_position_embeddings, params, original)
     rotary.init_cache(torch.float32, torch.device("cpu"))
-    for seq_len, positions in (
-        (original, range(0, original)),
-        (original + 1, range(original, 1024)),
+    long_prompt = np.array([original + 1])
+    for seq_len, positions, prompt_lens in (
+        (original, range(0, original), np.array([original])),
+        (original + 1, range(original, 1024), np.array([original])),
+        (original + 1, range(0, 1024), long_prompt),  # a long prompt: long from the start
     ):
         inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=seq_len)
         pos = torch.tensor(list(positions))
         freqs = torch.outer(pos.float(), inv_freq)
-        cos, sin = rotary.cos_sin(pos)
+        rows = rotary.table_positions(pos, prompt_lens, np.array([len(pos)]))
+        cos, sin = rotary.cos_sin(rows)
         torch.testing.assert_close(cos[:, 0], freqs.cos() * factor)
         torch.testing.assert_close(sin[:, 0], freqs.sin() * factor)
+
+
+def test_longrope_past_the_original_length_matches_generate(tmp_path: Path) -> None:
+    """Phi-3 with original_max_position_embeddings 16, through the engine with
+    chunked prefill and the prefix cache: a prompt longer than 16 (rotated with
+    the long factors from its first token, as transformers' first pass does), a
+    short one generated up to 16 (short factors throughout), and a long prompt
+    that starts with the short one's first block, which must not take it from the
+    prefix cache; greedy ids equal transformers `generate` for each."""
+    rope = dict(FAMILIES["phi3"][2]["rope_parameters"], original_max_position_embeddings=16)
+    path = make_family_model(
+        tmp_path / "m", "phi3", original_max_position_embeddings=16, rope_parameters=rope
+    )
+    hf_config = load_hf_config(path)
+    g = torch.Generator().manual_seed(7)
+    short = torch.randint(3, hf_config.vocab_size, (4,), generator=g).tolist()
+    long = torch.randint(3, hf_config.vocab_size, (24,), generator=g).tolist()
+    long_on_short = short + torch.randint(3, hf_config.vocab_size, (20,), generator=g).tolist()
+    prompts = [short, long, long_on_short]
+    expected = _hf_greedy(path, prompts, 12)
+    llm = LLM(
+        str(path),
+        multiprocess=False,
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == expected
+    assert llm.engine.core.stats().prefix_cache_hits == 0  # not the short prompt's block

@@ -31,7 +31,12 @@ def _experts(seed: int, integer: bool) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
-def test_grouped_equals_per_token_exactly(top_k: int, renormalize: bool, num_tokens: int) -> None:
+@pytest.mark.parametrize("padded", [None, True, False], ids=["chosen", "padded", "loop"])
+def test_grouped_equals_per_token_exactly(
+    top_k: int, renormalize: bool, num_tokens: int, padded: bool | None
+) -> None:
+    """Both ways of grouping (every expert padded to the busiest in two batched
+    matmuls, or a matmul pair per busy expert), and the one the loads choose."""
     g = torch.Generator().manual_seed(num_tokens * 10 + top_k)
     x = torch.randint(-2, 3, (num_tokens, HIDDEN), generator=g).float()
     router = torch.randn(EXPERTS, HIDDEN, generator=g)
@@ -43,7 +48,7 @@ def test_grouped_equals_per_token_exactly(top_k: int, renormalize: bool, num_tok
         assert bool(((ids == 2).any(1) & (ids == 3).any(1)).any())  # a tie taken
     assert not bool((ids >= 6).any())
     gate_up, down = _experts(top_k, integer=True)
-    got = grouped_experts(x, weights, ids, gate_up, down, act=torch.relu)
+    got = grouped_experts(x, weights, ids, gate_up, down, act=torch.relu, padded=padded)
     want = reference_experts(x, weights, ids, gate_up, down, act=torch.relu)
     assert torch.equal(got, want)
     assert got.abs().sum() > 0
@@ -53,7 +58,7 @@ def test_grouped_equals_per_token_exactly(top_k: int, renormalize: bool, num_tok
     logits[:, 6:] = -1e4
     weights, ids = route(logits, top_k, renormalize)
     gate_up, down = _experts(top_k, integer=False)
-    got = grouped_experts(x, weights, ids, gate_up, down)
+    got = grouped_experts(x, weights, ids, gate_up, down, padded=padded)
     want = reference_experts(x, weights, ids, gate_up, down)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -14,7 +14,10 @@ class KVCacheManager:
     positions back), blocks that have left the window of a request's next query
     are given back to the pool as the request grows: its table keeps their place
     as `DROPPED` and the blocks no longer count against it, so a long request holds
-    about window / block_size blocks."""
+    about window / block_size + 1 blocks. Prefix-cache hits out of the window are
+    not taken at all, and when a prompt chunk does not fit, `fit_tokens` says how
+    much of it does (the scheduler runs that much: the chunk after it finds the
+    blocks before it given back), so a prompt far longer than the pool runs too."""
 
     def __init__(
         self,
@@ -22,10 +25,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         sliding_window: int | None = None,
+        uncached_prompts_over: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        # Prompts longer than this neither hit nor fill the prefix cache: their K/V
+        # differ from a shorter prompt's at the same tokens (Phi-3's longrope).
+        self.uncached_prompts_over = uncached_prompts_over
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[int, list[KVBlock]] = {}
         self._num_cached_blocks: dict[int, int] = {}
@@ -47,6 +54,9 @@ class KVCacheManager:
         allocation. At least one token is always left to compute, since the model
         must produce logits for the last one. A request that wants prompt logprobs
         (even 0 of them: the prompt tokens' own) computes its whole prompt."""
+        limit = self.uncached_prompts_over
+        if limit is not None and request.num_prompt_tokens > limit:
+            request.block_hashes = None  # and so never registered either
         hashes = request.block_hashes
         if (
             not self.enable_caching
@@ -73,30 +83,55 @@ class KVCacheManager:
         """Give the request room for `num_new_tokens` more tokens after its computed
         ones (and after the prefix-cache blocks `computed`, which it now shares).
         Returns the blocks appended to its table, or None when the pool is too
-        small (nothing is changed then)."""
+        small (nothing is changed then, but for blocks that left the window)."""
+        rid = request.request_id
+        skip = 0  # leading `computed` blocks out of the window: not taken
+        if self.sliding_window is not None:
+            if rid in self.req_to_blocks:
+                self._drop_out_of_window(rid, request.num_computed_tokens)
+            elif computed:
+                skip = self._first_in_window(len(computed) * self.block_size)
         needed = self._num_blocks_needed(request, num_new_tokens, computed)
-        if self.sliding_window is not None and request.request_id in self.req_to_blocks:
-            self._drop_out_of_window(request.request_id, request.num_computed_tokens)
-        if needed > self._num_available(computed):
+        if needed > self._num_available(computed, skip):
             return None
-        blocks = self.req_to_blocks.get(request.request_id)
+        blocks = self.req_to_blocks.get(rid)
         if blocks is None:
-            blocks = self.req_to_blocks[request.request_id] = []
-            self._num_cached_blocks[request.request_id] = 0
-            self._num_dropped[request.request_id] = 0
+            blocks = self.req_to_blocks[rid] = []
+            self._num_cached_blocks[rid] = 0
+            self._num_dropped[rid] = skip
         added: list[KVBlock] = []
         if computed:
-            self.pool.touch(computed)
-            blocks.extend(computed)
-            added.extend(computed)
-            self._num_cached_blocks[request.request_id] = len(blocks)
+            taken = computed[skip:]
+            self.pool.touch(taken)
+            blocks.extend([DROPPED] * skip)
+            blocks.extend(taken)
+            added.extend(taken)
+            self._num_cached_blocks[rid] = len(blocks)
         if needed > 0:
             new = self.pool.get_new_blocks(needed)
             blocks.extend(new)
             added.extend(new)
-        if computed and self.sliding_window is not None:
-            self._drop_out_of_window(request.request_id, len(computed) * self.block_size)
         return added
+
+    def fit_tokens(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> int:
+        """Sliding window only: how many of `num_new_tokens` (after the request's
+        computed tokens, or after `computed` for a request not yet admitted) the
+        pool has room for now; 0 when not even one. Called when `allocate` refused
+        the whole chunk: the request runs the part that fits, and gives back the
+        blocks that part leaves behind the window before its next chunk."""
+        assert self.sliding_window is not None
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid)
+        if table is not None:
+            self._drop_out_of_window(rid, request.num_computed_tokens)
+            room = len(table) + self._num_available(None, 0)
+            return max(0, min(num_new_tokens, room * self.block_size - request.num_computed_tokens))
+        have = len(computed) if computed else 0
+        skip = self._first_in_window(have * self.block_size) if computed else 0
+        room = self._num_available(computed, skip) * self.block_size
+        return max(0, min(num_new_tokens, room))
 
     def allocate_decode_blocks(self, requests: list[Request]) -> dict[int, list[int]] | None:
         """One new block for each of `requests`, running decodes whose computed
@@ -148,11 +183,16 @@ class KVCacheManager:
         """Blocks the request holds now (its table minus the dropped entries)."""
         return len(self.req_to_blocks.get(request_id, ())) - self._num_dropped.get(request_id, 0)
 
+    def _first_in_window(self, first_query: int) -> int:
+        """The first block a query at `first_query` (and every later one) may read:
+        the blocks before it hold only positions <= first_query - window."""
+        assert self.sliding_window is not None
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
     def _drop_out_of_window(self, request_id: int, first_query: int) -> None:
         """Give back the request's blocks whose every position is out of the window
         of a query at `first_query` and after: positions <= first_query - window."""
-        assert self.sliding_window is not None
-        limit = max(0, first_query - self.sliding_window + 1) // self.block_size
+        limit = self._first_in_window(first_query)
         start = self._num_dropped[request_id]
         if limit <= start:
             return
@@ -175,10 +215,10 @@ class KVCacheManager:
         )
         return max(0, total - have)
 
-    def _num_available(self, computed: list[KVBlock] | None) -> int:
+    def _num_available(self, computed: list[KVBlock] | None, skip: int = 0) -> int:
         # Cached blocks we are about to share but that sit on the free list stop
-        # being available once we take them.
+        # being available once we take them (all but the `skip` we leave).
         free = self.pool.num_free_blocks
         if computed:
-            free -= sum(1 for b in computed if b.ref_cnt == 0)
+            free -= sum(1 for b in computed[skip:] if b.ref_cnt == 0)
         return free

@@ -48,6 +48,9 @@ class Scheduler:
         # the per-request allocation arithmetic. Set by `update_from_output`.
         self._all_decode = False
         self._all_running_scheduled = False
+        # Sliding window: a prompt chunk that does not fit runs in part (the blocks it
+        # leaves behind the window come back before the next part).
+        self._windowed = kv_cache.sliding_window is not None
 
     # -- admission and removal ------------------------------------------------
 
@@ -94,6 +97,7 @@ class Scheduler:
         new_block_ids: dict[int, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         preempted: set[int] = set()
+        windowed = self._windowed
 
         # 1. Running requests, oldest first; the newest are preempted when needed.
         running = self.running
@@ -122,6 +126,11 @@ class Scheduler:
                 added = kv.allocate(request, num_new)
                 if added is not None:
                     break
+                if windowed and num_new > 1:  # a shorter prompt chunk may fit
+                    fit = kv.fit_tokens(request, num_new)
+                    if 0 < fit < num_new:
+                        num_new = fit
+                        continue
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -148,6 +157,9 @@ class Scheduler:
                 )
                 num_new = min(request.num_tokens - num_cached, budget)
                 added = kv.allocate(request, num_new, computed)
+                if added is None and windowed:  # the part of the prompt that fits
+                    num_new = kv.fit_tokens(request, num_new, computed)
+                    added = kv.allocate(request, num_new, computed) if num_new else None
                 if added is None:
                     break
                 waiting.popleft()

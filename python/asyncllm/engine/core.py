@@ -21,7 +21,7 @@ from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
 from asyncllm.grammar_cache import GrammarCache
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
-from asyncllm.models.hf_config import kv_window
+from asyncllm.models.hf_config import kv_window, longrope_original
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
@@ -74,6 +74,7 @@ class EngineCore:
             config.block_size,
             config.enable_prefix_caching,
             sliding_window=kv_window(hf_config),
+            uncached_prompts_over=longrope_original(hf_config),
         )
         # Requests admitted but without an output yet: their prefix-cache hits go
         # out with their first output (see `_first_output_hits`).

@@ -10,7 +10,9 @@ KV cache layout, per layer (allocated by the model runner):
 Decodes on CPU (float32 or bfloat16, the cache in either) read K/V in place through
 the block tables with the Rust kernel `_core._paged_decode_attention`
 (rust/kernels/paged_attention.rs, float32 accumulation); CUDA and float16 gather K/V
-out of the cache and run SDPA. The cache's dtype may differ from the model's
+out of the cache and run SDPA. A sliding-window layer reads only its window on
+either path (the torch path gathers each decode's window blocks, the kernel skips
+the rest), so its cost is flat in the context length. The cache's dtype may differ from the model's
 (`EngineArgs.kv_cache_dtype`): K/V are converted as they are written and read.
 
 Everything that does not depend on the layer (block tables trimmed to what the step
@@ -80,27 +82,6 @@ class DecodeGroup:
     mask: torch.Tensor | None
     # Float versions of mask per dtype, made by the first layer that needs one.
     _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
-    # [g] int64 host copy of the group's seq_lens, for sliding-window masks.
-    seq_lens: np.ndarray | None = field(default=None, repr=False)
-    # (window, dtype) -> additive mask hiding keys outside each decode's window.
-    _window_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(
-        default_factory=dict, repr=False
-    )
-
-    def window_mask_as(self, window: int, dtype: torch.dtype) -> torch.Tensor:
-        """An additive mask [g, 1, 1, max_len] that keeps each decode's last `window`
-        keys only (sliding-window layers); built by the first layer that needs it."""
-        mask = self._window_masks.get((window, dtype))
-        if mask is None:
-            assert self.seq_lens is not None
-            lens = self.seq_lens[:, None]
-            pos = np.arange(self.max_len)[None, :]
-            keep = (pos < lens) & (pos >= lens - window)
-            mask = torch.zeros(keep.shape, dtype=dtype)
-            mask.masked_fill_(torch.from_numpy(~keep), float("-inf"))
-            mask = mask[:, None, None, :].to(self.block_tables.device)
-            self._window_masks[(window, dtype)] = mask
-        return mask
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
         """mask as an additive mask of `dtype` (0 / -inf), which the fused CPU and
@@ -130,6 +111,40 @@ class AttentionMetadata:
     # Decodes, for the torch path: groups of similar length (`group_decodes`).
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    block_size: int = 0
+    # Host, per sequence in batch order: query lengths, and prompt lengths where the
+    # runner passes them (models whose rotation depends on them: Phi-3's longrope).
+    query_lens: np.ndarray | None = None
+    prompt_lens: np.ndarray | None = None
+    # Host copies of the decodes' block tables and seq_lens, for `window_decodes`.
+    _decode_tables_host: np.ndarray | None = field(default=None, repr=False)
+    _decode_lens_host: np.ndarray | None = field(default=None, repr=False)
+    _window_groups: dict[int, DecodeGroup] = field(default_factory=dict, repr=False)
+
+    def window_decodes(self, window: int) -> DecodeGroup:
+        """All decodes as one group that gathers only the blocks inside each one's
+        last `window` positions (a sliding-window layer on the torch path): row i
+        reads its table from the block of position seq_len - window on, so a
+        gather costs the window, not the context. Built by the first layer that
+        needs it, shared by the rest."""
+        group = self._window_groups.get(window)
+        if group is None:
+            tables, lens = self._decode_tables_host, self._decode_lens_host
+            assert tables is not None and lens is not None
+            bs = self.block_size
+            first_block = np.maximum(lens - window, 0) // bs
+            num_blocks = int(((lens - 1) // bs - first_block).max()) + 1
+            cols = first_block[:, None] + np.arange(num_blocks)[None, :]
+            # Past a row's last block: any entry of its row (hidden by the mask).
+            cols = np.minimum(cols, tables.shape[1] - 1)
+            rows = np.arange(len(lens))[:, None]
+            pos = first_block[:, None] * bs + np.arange(num_blocks * bs)[None, :]
+            keep = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
+            device = self.slot_mapping.device
+            mask = None if keep.all() else _to_device(keep[:, None, None, :], device)
+            group = DecodeGroup(None, _to_device(tables[rows, cols], device), num_blocks * bs, mask)
+            self._window_groups[window] = group
+        return group
 
 
 def build_attention_metadata(
@@ -139,10 +154,12 @@ def build_attention_metadata(
     slot_mapping: np.ndarray,
     block_size: int,
     device: torch.device,
+    prompt_lens: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """Build a step's metadata from the runner's per-sequence arrays (batch order, all
     1-token queries first). `block_tables` rows may be padded past what a sequence owns;
-    only the first ceil(seq_len / block_size) entries of a row are read."""
+    only the first ceil(seq_len / block_size) entries of a row are read. `prompt_lens`
+    (each sequence's prompt length) only for models that ask (`uses_prompt_lens`)."""
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
     seq_lens = context_lens + query_lens
@@ -157,9 +174,10 @@ def build_attention_metadata(
     if num_decodes:
         dec_lens = seq_lens[:num_decodes]
         dec_blocks = -(-dec_lens // block_size)
-        decode_block_tables = _to_device(
-            block_tables[:num_decodes, : int(dec_blocks.max())], device
+        dec_tables = np.ascontiguousarray(
+            block_tables[:num_decodes, : int(dec_blocks.max())], dtype=np.int64
         )
+        decode_block_tables = _to_device(dec_tables, device)
         decode_seq_lens = _to_device(dec_lens, device)
         for rows in group_decodes(dec_blocks):
             if rows is None:
@@ -173,9 +191,7 @@ def build_attention_metadata(
             if int(lens.min()) != max_len:
                 keep = np.arange(max_len)[None, :] < lens[:, None]
                 group_mask = _to_device(keep[:, None, None, :], device)
-            group = DecodeGroup(index, group_table, max_len, group_mask)
-            group.seq_lens = lens
-            decode_groups.append(group)
+            decode_groups.append(DecodeGroup(index, group_table, max_len, group_mask))
 
     prefills = []
     starts = np.concatenate([[0], np.cumsum(query_lens)])
@@ -188,7 +204,7 @@ def build_attention_metadata(
             mask = _to_device(np.arange(seq_len)[None, :] <= q_pos, device)
         prefills.append(PrefillSpan(int(starts[i]), int(starts[i + 1]), ctx, seq_len, table, mask))
 
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=_to_device(slot_mapping, device, dtype=np.int64),
         num_decodes=num_decodes,
         num_tokens=int(starts[-1]),
@@ -196,7 +212,13 @@ def build_attention_metadata(
         decode_seq_lens=decode_seq_lens,
         decode_groups=decode_groups,
         prefills=prefills,
+        block_size=block_size,
+        query_lens=query_lens,
+        prompt_lens=prompt_lens,
     )
+    if num_decodes:
+        meta._decode_tables_host, meta._decode_lens_host = dec_tables, dec_lens
+    return meta
 
 
 def group_decodes(num_blocks: np.ndarray) -> list[np.ndarray | None]:
@@ -365,10 +387,12 @@ def _decode_attention_ext(
     if softcap is None and can_use_native_decode(q, kv_cache):
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return _native_decode(q, kv_cache, tables, lens, scale, window or 0)
+    if window is not None:
+        return _torch_decode_group(q, kv_cache, meta.window_decodes(window), scale, softcap)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     for group in meta.decode_groups:
         part = q if group.rows is None else q.index_select(0, group.rows)
-        part = _torch_decode_group(part, kv_cache, group, scale, window, softcap)
+        part = _torch_decode_group(part, kv_cache, group, scale, softcap)
         if group.rows is None:
             return part
         out.index_copy_(0, group.rows, part)
@@ -427,7 +451,6 @@ def _torch_decode_group(
     kv_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
-    window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """One group's decodes in one batched SDPA. The query heads that share a KV head
@@ -444,7 +467,7 @@ def _torch_decode_group(
     kv = gathered.view(2, batch, -1, num_kv_heads, head_dim)[:, :, : group.max_len]
     kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, Hkv, L, D]
     q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = group.mask_as(q.dtype) if window is None else group.window_mask_as(window, q.dtype)
+    mask = group.mask_as(q.dtype)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
     else:

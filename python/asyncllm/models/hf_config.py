@@ -103,6 +103,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
     },
     "Qwen3MoeForCausalLM": {
         "vocab_size": 151936,
@@ -115,6 +118,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+        "sliding_window": 4096,
+        "use_sliding_window": False,
     },
     "Gemma2ForCausalLM": {
         "vocab_size": 256000,
@@ -189,8 +194,10 @@ def load_hf_config(model_dir: str | Path) -> SimpleNamespace:
 
 def layer_windows(cfg: Any) -> list[int | None]:
     """Each layer's sliding window (None: global attention), as transformers reads
-    the config: `layer_types` where given, else Mistral's `sliding_window` on every
-    layer, or Qwen2's `use_sliding_window` from layer `max_window_layers` on."""
+    the config: `layer_types` where given, else Mistral's, Mixtral's and Qwen3-MoE's
+    `sliding_window` on every layer, Qwen2's and Qwen3's `use_sliding_window` from
+    layer `max_window_layers` on, and Qwen2-MoE's on every other layer (the 1st,
+    3rd, ...) below `max_window_layers`."""
     num_layers = int(cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
     if not isinstance(window, int) or window <= 0:
@@ -203,10 +210,14 @@ def layer_windows(cfg: Any) -> list[int | None]:
         return [window if (i + 1) % pattern else None for i in range(num_layers)]
     if not getattr(cfg, "use_sliding_window", True):
         return [None] * num_layers
-    first = getattr(cfg, "max_window_layers", None)
-    if first is None or "Mistral" in str(getattr(cfg, "architectures", None) or ""):
-        first = 0
-    return [window if i >= first else None for i in range(num_layers)]
+    arch = str(getattr(cfg, "architectures", None) or "")
+    limit = getattr(cfg, "max_window_layers", None)
+    if "Qwen2Moe" in arch:
+        limit = num_layers if limit is None else limit
+        return [window if i % 2 == 0 and i < limit else None for i in range(num_layers)]
+    if limit is None or any(name in arch for name in ("Mistral", "Mixtral", "Qwen3Moe")):
+        limit = 0
+    return [window if i >= limit else None for i in range(num_layers)]
 
 
 def kv_window(hf_config: Any) -> int | None:
@@ -217,3 +228,20 @@ def kv_window(hf_config: Any) -> int | None:
     if not windows or any(w is None for w in windows):
         return None
     return max(w for w in windows if w is not None)
+
+
+def longrope_original(hf_config: Any) -> int | None:
+    """With `longrope` scaling (Phi-3), `original_max_position_embeddings`: a sequence
+    whose prompt is longer rotates with the long factors from its first token on
+    (transformers picks the factors by a forward's length), so its K/V differ from
+    a shorter prompt's and must not be shared through the prefix cache. None
+    without longrope."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    if (params.get("rope_type") or params.get("type")) != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    return int(original or hf_config.max_position_embeddings)

@@ -38,33 +38,91 @@ def grouped_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    padded: bool | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, where
     expert_e(x) = down[e] @ (act(gate_e x) * up_e x) with gate_up[e] = [gate_e; up_e].
 
-    x [T, H]; weights/ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]. One matmul
-    pair per expert that has tokens this step; experts with none cost nothing."""
+    x [T, H]; weights/ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]. The (token,
+    expert) pairs are sorted by expert. When the experts' loads are even enough
+    that padding every expert to the busiest one at most doubles the rows (decode
+    batches: most experts busy), two batched matmuls run every expert at once, a
+    handful of ops whatever the expert count, split over the threads by expert;
+    otherwise one matmul pair per expert that has tokens, and experts with none
+    cost nothing. `padded` forces one way (tests and benchmarks)."""
     num_tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts_t = torch.bincount(flat, minlength=num_experts)
+    counts = counts_t.tolist()
+    busiest = max(counts)
+    if padded is None:
+        padded = num_experts * busiest <= 2 * flat.numel()
+    if padded:
+        per_pair = _padded_experts(x, flat, order, counts_t, busiest, top_k, gate_up, down, act)
+    else:
+        per_pair = _expert_loop(x, order, counts, top_k, gate_up, down, act)
+    scaled = per_pair.view(num_tokens, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    return _sum_ranks(scaled)
+
+
+def _expert_loop(
+    x: torch.Tensor,
+    order: torch.Tensor,
+    counts: list[int],
+    top_k: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each pair's expert output [T * k, H] in (token, rank) order: one matmul
+    pair per expert with tokens, over its tokens (pairs sorted by `order`)."""
     rows = x.index_select(0, order // top_k)  # each pair's token, grouped by expert
-    out = torch.empty_like(rows)
-    start = 0
     inter = gate_up.shape[1] // 2
+    parts = []
+    start = 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        seg = rows[start : start + n]
-        gate, up = F.linear(seg, gate_up[expert]).split(inter, dim=-1)
-        out[start : start + n] = F.linear(act(gate) * up, down[expert])
+        gate, up = F.linear(rows[start : start + n], gate_up[expert]).split(inter, dim=-1)
+        parts.append(F.linear(act(gate) * up, down[expert]))
         start += n
-    # Back to (token, rank) order, then sum over the ranks in rank order, as the
-    # per-token definition does.
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    # Back to (token, rank) order.
     per_pair = torch.empty_like(out)
     per_pair[order] = out
-    scaled = per_pair.view(num_tokens, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
-    return _sum_ranks(scaled)
+    return per_pair
+
+
+def _padded_experts(
+    x: torch.Tensor,
+    flat: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    busiest: int,
+    top_k: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each pair's expert output [T * k, H] in (token, rank) order, from two
+    batched matmuls over [E, busiest, H]: expert e's pairs fill its first rows,
+    zeros the rest (computed, never read)."""
+    num_experts, hidden = gate_up.shape[0], x.shape[1]
+    expert = flat.index_select(0, order)  # the pairs' experts, sorted
+    first = torch.cumsum(counts, 0) - counts  # each expert's first sorted pair
+    rank_in_expert = torch.arange(flat.numel(), device=x.device) - first.index_select(0, expert)
+    slot_sorted = expert * busiest + rank_in_expert
+    rows = x.new_zeros(num_experts * busiest, hidden)
+    rows.index_copy_(0, slot_sorted, x.index_select(0, order // top_k))
+    gate, up = torch.bmm(rows.view(num_experts, busiest, hidden), gate_up.transpose(1, 2)).split(
+        gate_up.shape[1] // 2, dim=-1
+    )
+    out = torch.bmm(act(gate) * up, down.transpose(1, 2)).view(num_experts * busiest, hidden)
+    slot = torch.empty_like(slot_sorted)
+    slot[order] = slot_sorted  # each pair's row, in (token, rank) order
+    return out.index_select(0, slot)
 
 
 def reference_experts(

@@ -7,18 +7,28 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
+from asyncllm.models.attention import AttentionMetadata
+from asyncllm.models.hf_config import longrope_original
 from asyncllm.models.layers import RotaryEmbedding, rope_inv_freq, rope_parameters
 from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class LongRopeEmbedding(RotaryEmbedding):
-    """LongRoPE: positions below `original_max_position_embeddings` rotate with the
-    short factors, later ones with the long factors, both scaled by the attention
-    factor. transformers switches a whole forward pass to the long factors once
-    it passes the original length; per position is what a paged cache can keep
-    consistent (a token's cached key never changes), and equals it below that."""
+    """LongRoPE, as transformers picks its factors: by the length of a forward
+    pass, all its positions alike (long past `original_max_position_embeddings`,
+    else short), both scaled by the attention factor. Through `generate` that
+    means: a prompt longer than the original length rotates wholly with the long
+    factors; a shorter one keeps the short factors, and its later tokens rotate
+    with the long ones from the original length on. A paged cache keeps each
+    token's key as it was first computed, so this is a per-sequence rule: the
+    table holds the per-position rotation, then the all-long one, and a sequence
+    whose prompt is longer reads the second half (`table_positions`). One case
+    differs: when a shorter sequence grows past the original length, transformers'
+    Phi-3 `generate` drops its cache and recomputes every token with the long
+    factors; here the cached tokens keep their short-factor keys."""
 
     def __init__(
         self, head_dim: int, max_positions: int, params: dict[str, Any], original: int
@@ -41,13 +51,28 @@ class LongRopeEmbedding(RotaryEmbedding):
         t = torch.arange(self.max_positions, dtype=torch.float32)
         short = torch.outer(t, self.short_inv_freq)
         long = torch.outer(t, self.long_inv_freq)
-        freqs = torch.where((t < self.original)[:, None], short, long)
+        freqs = torch.cat((torch.where((t < self.original)[:, None], short, long), long))
         table = torch.stack([freqs.cos(), freqs.sin()], dim=1) * self.attention_factor
         self.cos_sin_cache = table.to(device=device, dtype=dtype)
+
+    def table_positions(
+        self, positions: torch.Tensor, prompt_lens: np.ndarray, query_lens: np.ndarray
+    ) -> torch.Tensor:
+        """The table rows of a step's tokens (sequences in batch order, `query_lens`
+        tokens each): past the first half for a sequence whose prompt is longer
+        than the original length."""
+        long = prompt_lens > self.original
+        if not long.any():
+            return positions
+        offset = np.repeat(long.astype(np.int64) * self.max_positions, query_lens)
+        return positions + torch.from_numpy(offset).to(positions.device)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 family (Phi3ForCausalLM in config.json)."""
+
+    # With longrope, the runner passes each sequence's prompt length (metadata).
+    uses_prompt_lens = False
 
     def make_attention(self, cfg: Any, layer: int) -> LlamaAttention:
         attn = super().make_attention(cfg, layer)
@@ -62,13 +87,26 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def make_rotary(self, cfg: Any) -> RotaryEmbedding:
         params = rope_parameters(cfg)
         dim = self.rotary_dim(cfg)
-        if params["rope_type"] == "longrope":
-            original = params.get("original_max_position_embeddings") or getattr(
-                cfg, "original_max_position_embeddings", cfg.max_position_embeddings
-            )
-            return LongRopeEmbedding(dim, cfg.max_position_embeddings, params, int(original))
+        original = longrope_original(cfg)
+        if original is not None:
+            self.uses_prompt_lens = True
+            return LongRopeEmbedding(dim, cfg.max_position_embeddings, params, original)
         rope_inv_freq(dim, params)  # an unsupported rope_type fails here, naming it
         return RotaryEmbedding(dim, cfg.max_position_embeddings, params)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        rotary = self.rotary_emb
+        prompt_lens, query_lens = attn_metadata.prompt_lens, attn_metadata.query_lens
+        if isinstance(rotary, LongRopeEmbedding) and prompt_lens is not None:
+            assert query_lens is not None
+            positions = rotary.table_positions(positions, prompt_lens, query_lens)
+        return super().forward(input_ids, positions, kv_caches, attn_metadata)
 
     def weight_source(self, name: str) -> list[str]:
         # Already fused in the checkpoint under our names.

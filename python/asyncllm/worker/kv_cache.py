@@ -22,9 +22,17 @@ def bytes_per_block(config: EngineConfig, model: Any) -> int:
 def num_kv_blocks_for(config: EngineConfig, model: Any) -> int:
     """Blocks from `num_kv_blocks`, or from the memory budget. A budget-derived
     count is capped at twice what every seat filled to `max_model_len` could use:
-    beyond that, memory only feeds the prefix cache."""
+    beyond that, memory only feeds the prefix cache. It must hold one request of
+    max_model_len (of its window, when every layer is a sliding-window one)."""
     per_block = bytes_per_block(config, model)
     blocks_per_seq = -(-config.max_model_len // config.block_size)
+    windows = getattr(model, "layer_windows", None)
+    if windows and None not in windows:
+        # Every layer is a sliding-window one: a request holds about its window
+        # (the KV-cache manager gives back the rest), so one request needs that.
+        needs = min(blocks_per_seq, -(-max(windows) // config.block_size) + 1)
+    else:
+        needs = blocks_per_seq
     if config.num_kv_blocks is not None:
         num = config.num_kv_blocks
     else:
@@ -34,10 +42,10 @@ def num_kv_blocks_for(config: EngineConfig, model: Any) -> int:
             free, _ = torch.cuda.mem_get_info(config.torch_device)
             budget = free * config.cuda_kv_fraction
         num = min(int(budget // per_block), 2 * config.max_num_seqs * blocks_per_seq)
-    if num < blocks_per_seq:
+    if num < needs:
         raise ConfigError(
             f"the KV cache holds {num} blocks of {config.block_size} tokens, fewer than the "
-            f"{blocks_per_seq} one request of max_model_len={config.max_model_len} needs: raise "
+            f"{needs} one request of max_model_len={config.max_model_len} needs: raise "
             "EngineArgs.num_kv_blocks / kv_cache_memory_gib or lower max_model_len"
         )
     return num

@@ -61,6 +61,8 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model = load_model(config.model, hf_config, config.torch_dtype, self.device)
+        # Phi-3's longrope rotates a whole sequence by its prompt's length.
+        self._pass_prompt_lens = bool(getattr(self.model, "uses_prompt_lens", False))
         self.vocab_size = int(self.model.vocab_size)
         self.num_blocks = num_kv_blocks_for(config, self.model)
         # Tensor parallelism: this is rank 0, and the workers mirror each forward pass.
@@ -122,8 +124,9 @@ class ModelRunner:
         input_ids = ib.token_ids[tok_rows, pos]
         slots = ib.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
         max_nb = int((seq_lens.max() + bs - 1) // bs)
+        prompt_lens = ib.num_prompt_tokens[rows] if self._pass_prompt_lens else None
         meta = build_attention_metadata(
-            q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device
+            q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device, prompt_lens
         )
         grammar = self.grammar_rows
         masks = None
