@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from asyncllm import _core
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.grammar_cache import GrammarCache
-from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
+
+if TYPE_CHECKING:  # torch: imported by the runner, not by the core that owns the rows
+    from asyncllm.worker.sampling_metadata import SamplingMetadata
 
 # (matchers, tokens): one step's draw, not yet consumed by its matchers
 _Advance = tuple[list[_core.GrammarMatcher], list[int]]
@@ -40,6 +42,8 @@ _Advance = tuple[list[_core.GrammarMatcher], list[int]]
 def fill_threads() -> int:
     """Threads for the mask fill: the cores torch's own threads leave free, at
     least one (the helper thread itself, serially)."""
+    import torch  # loaded already: only a model runner fills masks
+
     return max(1, (os.cpu_count() or 1) - torch.get_num_threads())
 
 
@@ -120,6 +124,8 @@ def let_grammar_win(md: SamplingMetadata) -> None:
     rows banned and constrained at once are few, so a loop over them is cheap."""
     if md.allowed is None or md.banned is None:
         return
+    from asyncllm.worker.sampling_metadata import TokenLists
+
     rows, bitmask = md.allowed
     banned = md.banned
     offsets = banned.offsets
