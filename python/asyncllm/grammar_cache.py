@@ -57,15 +57,21 @@ class GrammarCache:
                         ) from None
         return self._compiler
 
-    def compile(self, params: StructuredOutputsParams) -> _core.Grammar:
-        """The compiled grammar of `params`; raises InvalidRequestError naming
-        what is wrong with it."""
-        key = (params.kind, params.spec())
+    def _cached(self, key: tuple[str, str]) -> _core.Grammar | None:
+        """The grammar compiled for `key` before, now the most recently used."""
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
-                return grammar
+            return grammar
+
+    def compile(self, params: StructuredOutputsParams) -> _core.Grammar:
+        """The compiled grammar of `params`; raises InvalidRequestError naming
+        what is wrong with it."""
+        key = (params.kind, params.spec())
+        grammar = self._cached(key)
+        if grammar is not None:
+            return grammar
         compiler = self.compiler
         try:
             grammar = compiler.compile(*key)  # the GIL is released meanwhile
@@ -81,12 +87,10 @@ class GrammarCache:
         """`compile` for an event loop: a cached grammar at once, else compiled
         (and the compiler built, on first use) on this cache's own threads, so
         that one slow schema cannot stall the loop and every other client."""
-        key = (params.kind, params.spec())
+        grammar = self._cached((params.kind, params.spec()))
+        if grammar is not None:
+            return grammar
         with self._lock:
-            grammar = self._grammars.get(key)
-            if grammar is not None:
-                self._grammars.move_to_end(key)
-                return grammar
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     COMPILE_THREADS, thread_name_prefix="grammar-compile"

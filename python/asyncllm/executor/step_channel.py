@@ -38,8 +38,8 @@ HEADER_LEN = 8
 INLINE = 4096  # payload values carried in the header's broadcast (32 KB in all)
 
 
-class StepSender:
-    """Rank 0's end of the channel (the runner calls it once per step)."""
+class _Channel:
+    """What both ends hold: the group and the header buffer it broadcasts."""
 
     def __init__(self, group: Any, hidden_size: int, dtype: torch.dtype) -> None:
         self.group = group
@@ -47,6 +47,13 @@ class StepSender:
         self.dtype = dtype
         self._buf = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
         self._a = self._buf.numpy()
+
+
+class StepSender(_Channel):
+    """Rank 0's end of the channel (the runner calls it once per step)."""
+
+    def __init__(self, group: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__(group, hidden_size, dtype)
         # within a step with prompt logprobs: compute_logits calls go to the workers
         self.extra_logits = False
 
@@ -103,15 +110,8 @@ class StepSender:
         dist.broadcast(self._buf, 0, group=self.group)
 
 
-class StepReceiver:
+class StepReceiver(_Channel):
     """A worker's end: `recv_header`, then the payload or rows it announces."""
-
-    def __init__(self, group: Any, hidden_size: int, dtype: torch.dtype) -> None:
-        self.group = group
-        self.hidden_size = hidden_size
-        self.dtype = dtype
-        self._buf = torch.zeros(HEADER_LEN + INLINE, dtype=torch.int64)
-        self._a = self._buf.numpy()
 
     def recv_header(self) -> list[int]:
         dist.broadcast(self._buf, 0, group=self.group)
