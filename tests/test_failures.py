@@ -25,18 +25,14 @@ from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from asyncllm.engine.core import EngineCore
 from asyncllm.errors import OutputProcessingError
 from asyncllm.messages import SchedulerStats, StepOutputs
+from fault_injection import POISON, SITECUSTOMIZE, Panic, install_fault
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
-POISON = 999  # a prompt holding this token id triggers the injected fault
 LONG = SamplingParams(max_tokens=1000, ignore_eos=True)
 SLOW = 5.0  # null_step_delay_ms: a LONG stream lasts seconds
 THREADS = {"input": "input thread", "busy": "busy loop", "output": "output thread"}
-
-
-class Panic(BaseException):
-    """Stands in for pyo3_runtime.PanicException: a BaseException, not an Exception."""
 
 
 @pytest.fixture(scope="module")
@@ -47,45 +43,6 @@ def model_dir(tmp_path_factory):
 def engine_for(model_dir, multiprocess=True, **kw) -> AsyncLLM:
     args = EngineArgs(model=str(model_dir), executor="null", **kw)
     return AsyncLLM.from_engine_args(args, multiprocess=multiprocess)
-
-
-def install_fault(thread: str) -> None:
-    """Make the core's `thread` raise Panic once a POISON prompt reaches it. Runs
-    in the test (in-thread mode) or in the child via sitecustomize."""
-    poisoned: set[int] = set()
-    make_request, add_request = EngineCore.make_request, EngineCore.add_request
-    encode = StepOutputs.encode
-
-    def make_request_(self, req):  # runs on the input thread
-        if thread == "input" and POISON in req.prompt_token_ids:
-            raise Panic("input fault")
-        return make_request(self, req)
-
-    def add_request_(self, request):  # runs on the busy loop
-        if POISON in request.prompt_token_ids:
-            if thread == "busy":
-                raise Panic("busy fault")
-            poisoned.add(request.request_id)
-        return add_request(self, request)
-
-    def encode_(self):  # runs on the output thread
-        if thread == "output" and poisoned.intersection(self.req_ids):
-            raise Panic("output fault")
-        return encode(self)
-
-    EngineCore.make_request = make_request_
-    EngineCore.add_request = add_request_
-    StepOutputs.encode = encode_
-
-
-SITECUSTOMIZE = """
-import os
-if os.environ.get("FAULT_THREAD"):
-    import sys
-    sys.path.insert(0, {tests!r})
-    from test_failures import install_fault
-    install_fault(os.environ["FAULT_THREAD"])
-"""
 
 
 async def stream_until_error(engine, prompt, request_id, started=None):
