@@ -275,13 +275,13 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
     let chunk = heads * job.group * shape.head_dim;
     let num_items = shape.num_seqs * shape.num_kv_heads / heads;
     if num_threads == 1 || num_items <= 1 {
-        let mut scratch = Scratch::new(heads * job.group, job.group, shape.block_size);
+        let mut scratch = Scratch::new(heads * job.group, shape.block_size);
         for (item, out) in out.chunks_exact_mut(chunk).enumerate() {
             isa.attend(&job, item, out, &mut scratch);
         }
         return Ok(());
     }
-    let new_scratch = || Scratch::new(heads * job.group, job.group, shape.block_size);
+    let new_scratch = || Scratch::new(heads * job.group, shape.block_size);
     match Team::get(num_threads)? {
         #[cfg(target_os = "linux")]
         Team::Omp(parallel) => {
@@ -424,7 +424,7 @@ impl<'a, T: BlockIndex, E: KvElem> Job<'a, T, E> {
     }
 }
 
-/// Per-thread buffers of a work item: a block's scores for one group, and the
+/// Per-thread buffers of a work item: a block's scores for each query head, and the
 /// running max and sum of each of the item's query heads.
 struct Scratch {
     scores: Vec<f32>,
@@ -433,9 +433,9 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(query_heads: usize, group: usize, block_size: usize) -> Self {
+    fn new(query_heads: usize, block_size: usize) -> Self {
         Scratch {
-            scores: vec![0.0; group * block_size],
+            scores: vec![0.0; query_heads * block_size],
             max: vec![0.0; query_heads],
             sum: vec![0.0; query_heads],
         }
@@ -539,8 +539,10 @@ fn attend_avx512_bf16<T: BlockIndex, E: KvElem>(
 
 /// One work item: the KV heads `heads_per_item * i .. heads_per_item * (i + 1)`
 /// of one sequence and their query heads; `out` is those query heads' outputs.
-/// Blocks are the outer loop, so a block's rows for all the item's heads are
-/// read together (contiguous when the item has every KV head). `AVX2` is true
+/// Blocks are the outer loop and tokens the next, so a block's rows for all the
+/// item's heads are read in address order (contiguous when the item has every KV
+/// head): measured 1.5-2x faster than head by head once the cache outgrows the
+/// CPU's caches (batch 256, context 100, small shapes). `AVX2` is true
 /// when compiled inside `attend_avx2_fma`: it selects fused multiply-adds
 /// (elsewhere `mul_add` is a slow library call) and the AVX2 lane sum.
 /// `DPBF16` is true inside `attend_avx512_bf16`: q·k of bf16 rows on `vdpbf16ps`.
@@ -580,50 +582,52 @@ fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
         let n = bs.min(len - j * bs);
         let t0 = if j == first / bs { first % bs } else { 0 };
         let base = base_of(block);
-        if let Some(next) = table.get(j + 1) {
-            let next = base_of(next);
-            for t in 0..bs.min(len - (j + 1) * bs) {
-                prefetch(job.k.row(next + t * ts, row));
-                prefetch(job.v.row(next + t * ts, row));
+        // The next block's rows are asked for a token at a time as this block's are
+        // read: a burst of every line at once overflows the core's miss queue.
+        let next = table
+            .get(j + 1)
+            .map(|next| (base_of(next), bs.min(len - (j + 1) * bs)));
+        // Token-major: each token's K (then V) rows of every head the item holds are
+        // adjacent in the block, so the block is read front to back, as the hardware
+        // prefetchers follow; scores[qh * bs + t] for query head qh.
+        for t in t0..n {
+            if let Some((next, m)) = next {
+                if t < m {
+                    prefetch(job.k.row(next + t * ts, row));
+                }
+            }
+            let keys = job.k.row(base + t * ts, row);
+            for (qh, qg) in q.chunks_exact(d).enumerate() {
+                let key = &keys[qh / group * d..][..d];
+                let score = match E::bits(key) {
+                    Some(k) if DPBF16 => bf16::dot_dpbf16(&q_bits[qh * d..][..d], k),
+                    _ => dot::<AVX2, E>(qg, key),
+                };
+                s.scores[qh * bs + t] = score * job.scale;
             }
         }
-        for h in 0..heads {
-            let q = &q[h * group * d..][..group * d];
-            let q_bits = if DPBF16 {
-                &q_bits[h * group * d..][..group * d]
-            } else {
-                q_bits
-            };
-            let out = &mut out[h * group * d..][..group * d];
-            let (max, sum) = (&mut s.max[h * group..], &mut s.sum[h * group..]);
-            for t in t0..n {
-                let key = job.k.row(base + t * ts + h * d, d);
-                for (g, qg) in q.chunks_exact(d).enumerate() {
-                    let score = match E::bits(key) {
-                        Some(k) if DPBF16 => bf16::dot_dpbf16(&q_bits[g * d..][..d], k),
-                        _ => dot::<AVX2, E>(qg, key),
-                    };
-                    s.scores[g * bs + t] = score * job.scale;
+        for (qh, out) in out.chunks_exact_mut(d).enumerate() {
+            let row = &mut s.scores[qh * bs + t0..qh * bs + n];
+            let block_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            if block_max > s.max[qh] {
+                if s.max[qh] != f32::NEG_INFINITY {
+                    let c = (s.max[qh] - block_max).exp();
+                    s.sum[qh] *= c;
+                    scale_in_place(out, c);
+                }
+                s.max[qh] = block_max;
+            }
+            s.sum[qh] += exp_shifted_sum::<AVX2>(row, s.max[qh]);
+        }
+        for t in t0..n {
+            if let Some((next, m)) = next {
+                if t < m {
+                    prefetch(job.v.row(next + t * ts, row));
                 }
             }
-            for (g, out) in out.chunks_exact_mut(d).enumerate() {
-                let row = &mut s.scores[g * bs + t0..g * bs + n];
-                let block_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                if block_max > max[g] {
-                    if max[g] != f32::NEG_INFINITY {
-                        let c = (max[g] - block_max).exp();
-                        sum[g] *= c;
-                        scale_in_place(out, c);
-                    }
-                    max[g] = block_max;
-                }
-                sum[g] += exp_shifted_sum::<AVX2>(row, max[g]);
-            }
-            for t in t0..n {
-                let value = job.v.row(base + t * ts + h * d, d);
-                for (g, out) in out.chunks_exact_mut(d).enumerate() {
-                    axpy::<AVX2, E>(s.scores[g * bs + t], value, out);
-                }
+            let values = job.v.row(base + t * ts, row);
+            for (qh, out) in out.chunks_exact_mut(d).enumerate() {
+                axpy::<AVX2, E>(s.scores[qh * bs + t], &values[qh / group * d..][..d], out);
             }
         }
     }
