@@ -1,8 +1,11 @@
-"""Engine cores placed by Ray (`--data-parallel-backend ray`), on a one-node Ray
-cluster started here: outputs equal local cores', the front end listens only on the
-address given and only the core's CURVE key gets in (a forged ENGINE_ERROR from a peer
-that knows the server's public key does nothing), and a killed core is the engine's
-death, as a local one's is."""
+"""Engine cores (`--data-parallel-backend ray`) and tensor-parallel workers
+(`--distributed-executor-backend ray`) placed by Ray, on a simulated two-node Ray
+cluster started here (one CPU each, as the issue asks): outputs equal multiprocess
+ones, with one tensor-parallel rank on each node; the front end listens only on the
+address given and only the core's CURVE key gets in (a forged ENGINE_ERROR from a
+peer that knows the server's public key does nothing); a killed core, or a killed
+worker's actor, is the engine's death; and no actor or placement group is left
+after shutdown. One cluster serves the whole module."""
 
 from __future__ import annotations
 
@@ -22,13 +25,19 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = [[5 + i, 17, 301 + 3 * i, 42, 9 + i] for i in range(8)]
+_SUPERVISORS = ("_CoreSupervisor", "_WorkerSupervisor")
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +45,70 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", tokenizer="llama-2")
 
 
+def _live_actors() -> list[dict]:
+    """The engines' actors not dead yet, from the GCS's actor table (the public
+    `ray.util.state` needs the dashboard, which the plain `ray` package lacks)."""
+    from ray._private.state import actors
+
+    return [
+        a for a in actors().values() if a["ActorClassName"] in _SUPERVISORS and a["State"] != "DEAD"
+    ]
+
+
+def _live_groups() -> list[str]:
+    table = ray.util.placement_group_table()
+    return [g["name"] for g in table.values() if g["state"] != "REMOVED"]
+
+
+def _assert_nothing_left() -> None:
+    """No engine's actor and no placement group outlives its engine (bounded wait:
+    Ray reports a kill a moment after it is made)."""
+    deadline = time.monotonic() + 10
+    while (_live_actors() or _live_groups()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_actors() == [] and _live_groups() == []
+
+
 def test_ray_placed_cores_give_local_cores_outputs(model_dir, ray_cluster):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
     outputs = {}
-    for backend, dp in (("mp", 1), ("ray", 2)):
+    for backend in ("mp", "ray"):
         with LLM(
             str(model_dir),
             dtype="float32",
             max_model_len=128,
-            data_parallel_size=dp,
+            data_parallel_size=2,
             data_parallel_backend=backend,
             data_parallel_address="127.0.0.1",
         ) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
     assert outputs["ray"] == outputs["mp"]
+    _assert_nothing_left()
+
+
+def test_tensor_parallel_ranks_on_two_nodes_give_multiprocess_tokens(model_dir, ray_cluster):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("mp", "ray"):
+        with LLM(
+            str(model_dir),
+            dtype="float32",
+            max_model_len=128,
+            tensor_parallel_size=2,
+            distributed_executor_backend=backend,
+        ) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            if backend == "ray":  # one bundle (rank) per node: one CPU each
+                (group,) = [
+                    g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"
+                ]
+                assert group["name"].startswith("asyncllm-tp-")
+                nodes = group["bundles_to_node_id"]
+                assert len(nodes) == 2 and nodes[0] != nodes[1], nodes
+        outputs[backend] = [o.outputs[0].token_ids for o in outs]
+    assert outputs["ray"] == outputs["mp"]
+    _assert_nothing_left()
 
 
 async def _count(engine: AsyncLLM, prompt: list[int], rid: str, params: SamplingParams) -> int:
@@ -58,6 +116,44 @@ async def _count(engine: AsyncLLM, prompt: list[int], rid: str, params: Sampling
     async for out in engine.generate({"prompt_token_ids": prompt}, params, rid):
         n = len(out.outputs[0].token_ids)
     return n
+
+
+def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
+    from asyncllm.executor.ray_executor import NAMESPACE
+
+    args = EngineArgs(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            tasks = [
+                asyncio.create_task(_count(engine, [5 + i, 6, 7], f"k{i}", long)) for i in range(4)
+            ]
+            await asyncio.sleep(1.0)
+            (worker,) = [a for a in _live_actors() if a["ActorClassName"] == "_WorkerSupervisor"]
+            assert worker["Name"].endswith("-rank1")
+            ray.kill(ray.get_actor(worker["Name"], namespace=NAMESPACE), no_restart=True)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(
+                asyncio.gather(*tasks, return_exceptions=True), timeout=15
+            )
+            assert time.monotonic() - t0 < 3.0  # 1 s, with slack for a busy 2-CPU box
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert "tensor-parallel rank 1" in str(results[0])
+            assert "Ray actor" in str(results[0])
+            assert not engine.is_running
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+    _assert_nothing_left()
 
 
 def test_only_the_cores_key_gets_in_and_a_killed_core_is_the_engines_death(model_dir, ray_cluster):
@@ -106,3 +202,4 @@ def test_only_the_cores_key_gets_in_and_a_killed_core_is_the_engines_death(model
             engine.shutdown()
 
     asyncio.run(run())
+    _assert_nothing_left()
