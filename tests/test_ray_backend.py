@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = [[5 + i, 17, 301 + 3 * i, 42, 9 + i] for i in range(8)]
-_SUPERVISORS = ("_CoreSupervisor", "_WorkerSupervisor")
+_SUPERVISORS = ("_CoreSupervisor", "WorkerSupervisor")
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
                 asyncio.create_task(_count(engine, [5 + i, 6, 7], f"k{i}", long)) for i in range(4)
             ]
             await asyncio.sleep(1.0)
-            (worker,) = [a for a in _live_actors() if a["ActorClassName"] == "_WorkerSupervisor"]
+            (worker,) = [a for a in _live_actors() if a["ActorClassName"] == "WorkerSupervisor"]
             assert worker["Name"].endswith("-rank1")
             ray.kill(ray.get_actor(worker["Name"], namespace=NAMESPACE), no_restart=True)
             t0 = time.monotonic()

@@ -32,8 +32,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -45,7 +43,8 @@ from asyncllm.errors import EngineStartupError
 from asyncllm.executor.distributed import close_group, interface_of
 from asyncllm.executor.hub import Hub, LocalStore
 from asyncllm.executor.multiproc import HANG_S, TPExecutor
-from asyncllm.executor.worker_proc import WORKER_KEYS_ENV, status_error
+from asyncllm.executor.ray_actor import WorkerSupervisor, visible_devices
+from asyncllm.executor.worker_proc import status_error
 
 logger = logging.getLogger(__name__)
 
@@ -54,34 +53,6 @@ NAMESPACE = "asyncllm"  # the workers' actors: asyncllm-tp-<id>-rank<r> in this 
 _STARTUP_POLL_MS = 10  # the store answers rendezvous requests this promptly
 _POLL_MS = 100  # afterwards: a dead actor or an error is seen within this
 _STOP_WAIT_S = 5.0
-
-
-class _WorkerSupervisor:
-    """Ray actor: runs one tensor-parallel worker process on its node and waits for it."""
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def run(self, argv: list[str], keys: str) -> int:
-        cmd = [sys.executable, "-m", "asyncllm.executor.worker_proc", *argv]
-        env = dict(os.environ, **{WORKER_KEYS_ENV: keys})
-        # stdin: a pipe this actor holds; the worker exits when the actor's process ends.
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, close_fds=True)
-        return self._proc.wait()
-
-    def pid(self) -> int | None:
-        """The worker process's pid on its node."""
-        return self._proc.pid if self._proc is not None else None
-
-    def kill_worker(self) -> None:
-        """Kill the worker process (a hung one may be stopped, deaf to its stdin)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-
-
-def _visible_devices() -> str:
-    """In a Ray task holding one GPU: the GPU it was given (as CUDA numbers it)."""
-    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
 @dataclasses.dataclass
@@ -121,7 +92,7 @@ class RayExecutor(TPExecutor):
             self._use_bundle0_gpu(pg)
         config_json = json.dumps(dataclasses.asdict(self.config))
         keys = hub.keys.client.to_text()
-        actor_cls = self._ray.remote(_WorkerSupervisor)
+        actor_cls = self._ray.remote(WorkerSupervisor)
         cuda = self.config.device == "cuda"
         for rank in range(1, self.size):
             actor = actor_cls.options(
@@ -174,7 +145,7 @@ class RayExecutor(TPExecutor):
         import torch
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        probe = self._ray.remote(num_cpus=0, num_gpus=1)(_visible_devices).options(
+        probe = self._ray.remote(num_cpus=0, num_gpus=1)(visible_devices).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0
             )
