@@ -4,7 +4,8 @@ cluster started here (one CPU each, as the issue asks): outputs equal multiproce
 ones, with one tensor-parallel rank on each node; the front end listens only on the
 address given and only the core's CURVE key gets in (a forged ENGINE_ERROR from a
 peer that knows the server's public key does nothing); a killed core, or a killed
-worker's actor, is the engine's death; and no actor or placement group is left
+worker's actor, is the engine's death (and the worker exits with its actor); a
+worker that fails to start reports its own error; and no actor or placement group is left
 after shutdown. One cluster serves the whole module."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 import zmq
 
 from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams, _core
+from asyncllm.errors import EngineStartupError
+from asyncllm.models.hf_config import load_hf_config
 from tiny_models import make_tiny_model
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'asyncllm[ray]'")
@@ -111,6 +114,14 @@ def test_tensor_parallel_ranks_on_two_nodes_give_multiprocess_tokens(model_dir, 
     _assert_nothing_left()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 async def _count(engine: AsyncLLM, prompt: list[int], rid: str, params: SamplingParams) -> int:
     n = 0
     async for out in engine.generate({"prompt_token_ids": prompt}, params, rid):
@@ -139,7 +150,9 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
             await asyncio.sleep(1.0)
             (worker,) = [a for a in _live_actors() if a["ActorClassName"] == "WorkerSupervisor"]
             assert worker["Name"].endswith("-rank1")
-            ray.kill(ray.get_actor(worker["Name"], namespace=NAMESPACE), no_restart=True)
+            actor = ray.get_actor(worker["Name"], namespace=NAMESPACE)
+            pid = ray.get(actor.pid.remote())  # the worker process (this machine here)
+            ray.kill(actor, no_restart=True)
             t0 = time.monotonic()
             results = await asyncio.wait_for(
                 asyncio.gather(*tasks, return_exceptions=True), timeout=15
@@ -149,10 +162,35 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
             assert "tensor-parallel rank 1" in str(results[0])
             assert "Ray actor" in str(results[0])
             assert not engine.is_running
+            deadline = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not _alive(pid), "a worker outlived its Ray actor"
         finally:
             engine.shutdown()
 
     asyncio.run(run())
+    _assert_nothing_left()
+
+
+def test_a_worker_start_up_failure_over_ray_reports_its_error(tmp_path, ray_cluster):
+    from asyncllm.executor.ray_executor import RayExecutor
+
+    model_dir = make_tiny_model(tmp_path / "m", arch="llama", tokenizer="llama-2")
+    args = EngineArgs(
+        model=str(model_dir), tensor_parallel_size=2, distributed_executor_backend="ray"
+    )
+    config = args.resolve(load_hf_config(model_dir))
+    (model_dir / "model.safetensors").unlink()  # after rank 0 read its config
+    executor = RayExecutor(config)
+    try:
+        executor.start()
+        with pytest.raises(
+            EngineStartupError, match=r"rank 1 \(Ray actor .*\) failed to start: ModelLoadError"
+        ):
+            executor.wait_ready(120)
+    finally:
+        executor.shutdown()
     _assert_nothing_left()
 
 
