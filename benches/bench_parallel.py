@@ -204,8 +204,8 @@ def tp_startup(model_dir: Path, name: str, repeats: int) -> dict[str, Any]:
         print("tp-startup: Ray is not installed, no Ray row", file=sys.stderr)
         row["ray"] = "not installed"
     else:
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():  # "local": a new instance, not whatever ran last here
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
         backends.append("ray")
     times: dict[str, list[float]] = {b: [] for b in backends}
     for _ in range(repeats):

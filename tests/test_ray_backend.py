@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -33,14 +34,25 @@ _SUPERVISORS = ("_CoreSupervisor", "WorkerSupervisor")
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    from ray._private.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
+    # The Cluster records itself as this machine's latest (where a plain `ray.init()`
+    # would connect, even once it is gone): put back what was there.
+    address_file = Path(get_ray_address_file(None))
+    before = address_file.read_text() if address_file.exists() else None
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if before is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(before)
 
 
 @pytest.fixture(scope="module")
