@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -253,3 +254,60 @@ def test_only_the_cores_key_gets_in_and_a_killed_core_is_the_engines_death(model
 
     asyncio.run(run())
     _assert_nothing_left()
+
+
+def test_the_hub_listens_on_the_address_given_and_admits_only_the_workers_key():
+    """Rank 0's rendezvous and status socket (no Ray needed): bound to the address
+    given; the workers' key gets a working `dist.Store` and its status through; a
+    peer with its own key pair (knowing the server's public key) gets neither."""
+    from datetime import timedelta
+
+    from asyncllm.executor.hub import Hub, HubLink, LocalStore
+
+    statuses: list[tuple[int, bytes]] = []
+    hub = Hub("127.0.0.1", 2, lambda rank, data: statuses.append((rank, data)))
+    link = HubLink(hub.endpoint, hub.keys.client, 1)
+    ctx = zmq.Context()
+    try:
+        assert hub.endpoint.startswith("tcp://127.0.0.1:"), hub.endpoint
+        forger = ctx.socket(zmq.DEALER)
+        forger.setsockopt(zmq.LINGER, 0)
+        forger.curve_serverkey = hub.keys.public
+        forger.curve_publickey, forger.curve_secretkey = zmq.curve_keypair()
+        forger.connect(hub.endpoint)
+        forger.send_multipart([b"T", (1).to_bytes(4, "little"), b"E\x04\x00\x00\x00fake"])
+        forger.send_multipart([b"Q", bytes(8), b"S", b"key", b"forged"])
+
+        served = threading.Event()
+
+        def serve() -> None:
+            while not served.is_set():
+                hub.poll(10)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        local, remote = LocalStore(hub.table), link.store
+        link.send(b"R")
+        local.set("key", b"rank0")
+        assert remote.get("key") == b"rank0"
+        assert remote.add("n", 2) == 2 and local.add("n", 3) == 5
+        assert remote.check(["key", "n"]) and not remote.check(["missing"])
+        waiter = threading.Thread(target=lambda: remote.wait(["late"], timedelta(seconds=30)))
+        waiter.start()
+        time.sleep(0.2)
+        local.set("late", b"1")  # the parked wait is answered
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        assert remote.compare_set("key", b"rank0", b"swapped") == b"swapped"
+        assert remote.delete_key("late") and remote.num_keys() == 2
+        with pytest.raises(LookupError):
+            remote.wait(["never"], timedelta(seconds=0.3))
+        time.sleep(0.3)
+        served.set()
+        thread.join(timeout=5)
+        assert statuses == [(1, b"R")]  # the forger's error never arrived
+        assert hub.table.data[b"key"] == b"swapped"  # nor its write
+    finally:
+        ctx.destroy(linger=0)
+        link.close()
+        hub.close()
