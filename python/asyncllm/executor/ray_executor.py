@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -70,6 +71,11 @@ class RayExecutor(TPExecutor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        ray = sys.modules.get("ray")
+        # Joined (or, with no cluster to find, started) here: left at shutdown. The
+        # core ends with os._exit, past Ray's own atexit clean-up, and a local
+        # instance's agents would outlive it.
+        self._owns_ray = ray is None or not ray.is_initialized()
         self._ray = import_ray("distributed_executor_backend")
         self.address = str(self._ray.util.get_node_ip_address())
         self.name = f"asyncllm-tp-{uuid.uuid4().hex[:12]}"
@@ -293,3 +299,5 @@ class RayExecutor(TPExecutor):
         if self.hub is not None and (self._thread is None or not self._thread.is_alive()):
             self.hub.close()
         close_group()
+        if self._owns_ray:
+            ray.shutdown()
