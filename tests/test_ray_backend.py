@@ -302,6 +302,9 @@ def test_the_hub_listens_on_the_address_given_and_admits_only_the_workers_key():
         assert remote.delete_key("late") and remote.num_keys() == 2
         with pytest.raises(LookupError):
             remote.wait(["never"], timedelta(seconds=0.3))
+        # rank 0 stops waiting for a worker that has failed
+        with pytest.raises(RuntimeError, match="rank 1 failed"):
+            LocalStore(hub.table, lambda: "rank 1 failed").get("never")
         time.sleep(0.3)
         served.set()
         thread.join(timeout=5)

@@ -139,11 +139,13 @@ class _Store(dist.Store):
 
 
 class LocalStore(_Store):
-    """Rank 0's store: the table itself, in this process."""
+    """Rank 0's store: the table itself, in this process. A wait gives up as soon
+    as `abort()` returns a reason (a worker failed: it will never set its keys)."""
 
-    def __init__(self, table: StoreTable) -> None:
+    def __init__(self, table: StoreTable, abort: Callable[[], str | None] = lambda: None) -> None:
         super().__init__()
         self._table = table
+        self._abort = abort
 
     def _call(self, op: bytes, args: Sequence[bytes], timeout: timedelta) -> bytes:
         table = self._table
@@ -153,7 +155,9 @@ class LocalStore(_Store):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LookupError(f"rendezvous key(s) {_names(args)} not set in {timeout}")
-                table.cond.wait(min(left, 1.0))
+                if (reason := self._abort()) is not None:
+                    raise RuntimeError(reason)
+                table.cond.wait(min(left, 0.1))
         return value
 
 

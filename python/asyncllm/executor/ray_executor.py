@@ -184,7 +184,8 @@ class RayExecutor(TPExecutor):
 
     def rendezvous(self) -> tuple[Any, str]:
         assert self.hub is not None
-        return LocalStore(self.hub.table), interface_of(self.address)
+        # a worker lost between its b"R" and the join fails the join at once
+        return LocalStore(self.hub.table, lambda: self._startup_error), interface_of(self.address)
 
     def start_watchdog(self) -> None:
         now = time.monotonic()
