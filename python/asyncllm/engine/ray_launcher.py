@@ -7,6 +7,10 @@ waits for it. The core connects back to the front end over TCP, secured with CUR
 Ray reports for this node), never to all interfaces. If the front end dies, Ray
 ends the actors it owns; the core sees its stdin close and exits, as a local one
 does. `RayCoreProcess` has `CoreProcess`'s interface, so `MPClient` treats both alike.
+
+A core whose tensor-parallel workers Ray places (`--distributed-executor-backend
+ray`, executor/ray_executor.py) joins the front end's cluster: `cluster_environment`
+hands a local core RAY_ADDRESS, and a Ray-placed core gets it from its actor.
 """
 
 from __future__ import annotations
