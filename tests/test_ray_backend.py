@@ -314,3 +314,10 @@ def test_the_hub_listens_on_the_address_given_and_admits_only_the_workers_key():
         ctx.destroy(linger=0)
         link.close()
         hub.close()
+
+
+def test_a_bad_executor_backend_is_named():
+    from asyncllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"distributed_executor_backend='rpc'.*one of mp, ray"):
+        EngineArgs(distributed_executor_backend="rpc")
