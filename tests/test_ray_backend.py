@@ -1,12 +1,12 @@
 """Engine cores (`--data-parallel-backend ray`) and tensor-parallel workers
 (`--distributed-executor-backend ray`) placed by Ray, on a simulated two-node Ray
 cluster started here (one CPU each, as the issue asks): outputs equal multiprocess
-ones, with one tensor-parallel rank on each node; the front end listens only on the
-address given and only the core's CURVE key gets in (a forged ENGINE_ERROR from a
-peer that knows the server's public key does nothing); a killed core, or a killed
-worker's actor, is the engine's death (and the worker exits with its actor); a
-worker that fails to start reports its own error; and no actor or placement group is left
-after shutdown. One cluster serves the whole module."""
+ones, with one tensor-parallel rank on each node; the front end, and rank 0's hub for
+the workers, listen only on the address given and let only their peers' CURVE key in
+(a forged frame from a peer that knows the server's public key does nothing); a
+killed core, or a killed worker's actor, is the engine's death (and the worker exits
+with its actor); a worker that fails to start reports its own error; and no actor or
+placement group is left after shutdown. One cluster serves the whole module."""
 
 from __future__ import annotations
 
