@@ -17,7 +17,9 @@ Rows (fixed seed, every output ignores EOS):
             of [tokens, hidden] float32 (the model runs two per layer)
   tp-offline  `LLM` with tensor_parallel_size 1 and 2, one torch thread per
             rank, greedy: tokens/s and the ratio TP=2 / TP=1
-  tp-startup  seconds from `LLM(...)` to the first token with TP=2 (not with --quick)
+  tp-startup  seconds from `LLM(...)` to the first token with TP=2, multiprocess
+            and over Ray (`--distributed-executor-backend ray`, a one-node cluster
+            started first; no Ray row without Ray), alternating (not with --quick)
   prefix    DP=2 serving 16 system prompts (256 tokens each) x 16 requests
             through `AsyncLLM`: one request per prompt first, then the other 15
             of each arriving together, prompt after prompt; the second wave's
@@ -66,12 +68,16 @@ def offline(
     return {"tokens_per_s": tokens / elapsed, "startup_s": started - t0}
 
 
-def first_token_s(model_dir: Path, dp: int, tp: int = 1) -> float:
+def first_token_s(model_dir: Path, dp: int, tp: int = 1, backend: str = "mp") -> float:
     from asyncllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     with LLM(
-        str(model_dir), dtype="float32", data_parallel_size=dp, tensor_parallel_size=tp
+        str(model_dir),
+        dtype="float32",
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
     ) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False)
         return time.perf_counter() - t0
@@ -102,11 +108,11 @@ def _comm_rank(rank: int, store: str, iters: int, hidden: int, results: Any) -> 
     import numpy as np
     import torch.distributed as dist
 
-    from asyncllm.executor.distributed import close_group, init_group
+    from asyncllm.executor.distributed import close_group, init_group, loopback_interface
     from asyncllm.executor.step_channel import StepReceiver, StepSender
 
     torch.set_num_threads(1)
-    group = init_group(store, rank, 2, "cpu")
+    group = init_group(dist.FileStore(store, 2), rank, 2, "cpu", loopback_interface())
     tiny = torch.zeros(1)
     sender = StepSender(group, hidden, torch.float32)
     receiver = StepReceiver(group, hidden, torch.float32)
@@ -181,9 +187,34 @@ def tp_rows(
     )
     rows.append(row)
     if startup:
-        first = median(first_token_s(model_dir, 1, tp=2) for _ in range(repeats))
-        rows.append({"row": "tp-startup", "model": name, "tp2_s": first})
+        rows.append(tp_startup(model_dir, name, repeats))
+    else:
+        print("tp-startup (multiprocess and Ray): skipped under --quick", file=sys.stderr)
     return rows
+
+
+def tp_startup(model_dir: Path, name: str, repeats: int) -> dict[str, Any]:
+    """TP=2 start-up to the first token, multiprocess and (alternating) over a
+    one-node Ray cluster started here beforehand, as a served one would be."""
+    backends = ["mp"]
+    row: dict[str, Any] = {"row": "tp-startup", "model": name}
+    try:
+        import ray
+    except ImportError:
+        print("tp-startup: Ray is not installed, no Ray row", file=sys.stderr)
+        row["ray"] = "not installed"
+    else:
+        if not ray.is_initialized():  # "local": a new instance, not whatever ran last here
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        backends.append("ray")
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    for _ in range(repeats):
+        for backend in backends:
+            times[backend].append(first_token_s(model_dir, 1, tp=2, backend=backend))
+    row["tp2_s"] = median(times["mp"])
+    if "ray" in times:
+        row["tp2_ray_s"] = median(times["ray"])
+    return row
 
 
 async def _prefix_run(model_dir: Path, prefix_aware: bool, groups: int, per_group: int) -> dict:

@@ -24,6 +24,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("torch", "null")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
@@ -104,6 +105,11 @@ class EngineArgs:
     # one engine core (rank 0 in the core, the others workers it starts; asyncllm.
     # executor), torch.distributed with gloo on the CPU, NCCL on CUDA.
     tensor_parallel_size: int = 1
+    # Where ranks 1..N-1 run (vLLM's name): "mp", worker processes the core starts
+    # on its machine; "ray", Ray actors in a placement group over a Ray cluster's
+    # nodes, each starting the same worker process (executor/ray_executor.py). With
+    # tensor_parallel_size 1 there is nothing to place and "ray" changes nothing.
+    distributed_executor_backend: str = "mp"
     # torch's threads in the engine core (the model and the sampler kernel). None:
     # torch's default (one per physical core), shared out among data-parallel cores;
     # `asyncllm serve` makes it all CPUs but one (`serving_placement`).
@@ -189,6 +195,12 @@ class EngineArgs:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, _MAX_TENSOR_PARALLEL)
         if self.tensor_parallel_size > 1 and self.executor == "null":
             raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 with executor='null'")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise _fail(
+                "distributed_executor_backend",
+                self.distributed_executor_backend,
+                f"one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}",
+            )
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.compile, bool):
@@ -298,6 +310,7 @@ class EngineArgs:
             collect_step_timings=self.collect_step_timings,
             num_threads=self.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
             compile=self.compile,
         )
 
@@ -328,6 +341,7 @@ class EngineConfig:
     collect_step_timings: bool = False
     num_threads: int | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     compile: bool = False
 
     @property

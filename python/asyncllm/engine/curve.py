@@ -40,7 +40,7 @@ class ClientKeys:
     def from_text(cls, text: str) -> ClientKeys:
         parts = text.encode("ascii").split(b",")
         if len(parts) != 3 or any(len(p) != 40 for p in parts):
-            raise ValueError(f"{KEYS_ENV} must hold three 40-character Z85 keys")
+            raise ValueError("CURVE keys must be three 40-character Z85 keys")
         return cls(*parts)
 
 
@@ -92,8 +92,9 @@ def connect(sock: zmq.Socket[Any], keys: ClientKeys) -> None:
     sock.curve_secretkey = keys.secret
 
 
-def take_client_keys() -> ClientKeys | None:
-    """The core's keys from its environment, removed from it so that nothing the core
-    starts inherits them; None where the front end is on this machine (ipc)."""
-    text = os.environ.pop(KEYS_ENV, None)
+def take_client_keys(env: str = KEYS_ENV) -> ClientKeys | None:
+    """The core's keys (or a tensor-parallel worker's, from `env`) from its
+    environment, removed from it so that nothing the process starts inherits them;
+    None where the peer is on this machine (ipc)."""
+    text = os.environ.pop(env, None)
     return ClientKeys.from_text(text) if text else None

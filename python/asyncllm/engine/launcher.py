@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from asyncllm.config import EngineArgs
+from asyncllm.engine.ray_launcher import cluster_environment
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,9 @@ class CoreProcess:
 def core_environment(args: EngineArgs) -> dict[str, str]:
     """The core's environment: ours, plus the OpenMP wait policy asked for (over
     any OMP_WAIT_POLICY of ours unless "inherit"), which libgomp reads once when
-    torch loads in the fresh interpreter."""
-    env = dict(os.environ)
+    torch loads in the fresh interpreter, and the Ray cluster to join where Ray
+    places its tensor-parallel workers."""
+    env = dict(os.environ, **cluster_environment(args))
     if args.omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     return env

@@ -7,6 +7,10 @@ waits for it. The core connects back to the front end over TCP, secured with CUR
 Ray reports for this node), never to all interfaces. If the front end dies, Ray
 ends the actors it owns; the core sees its stdin close and exits, as a local one
 does. `RayCoreProcess` has `CoreProcess`'s interface, so `MPClient` treats both alike.
+
+A core whose tensor-parallel workers Ray places (`--distributed-executor-backend
+ray`, executor/ray_executor.py) joins the front end's cluster: `cluster_environment`
+hands a local core RAY_ADDRESS, and a Ray-placed core gets it from its actor.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ logger = logging.getLogger(__name__)
 _KILLED = -9
 
 
-def import_ray() -> Any:
+def import_ray(field: str = "data_parallel_backend") -> Any:
     """Ray, with an error that says how to get it where it is not installed."""
     try:
         import ray
@@ -34,12 +38,25 @@ def import_ray() -> Any:
         from asyncllm.errors import ConfigError
 
         raise ConfigError(
-            "EngineArgs.data_parallel_backend='ray' needs Ray: pip install 'asyncllm[ray]'"
+            f"EngineArgs.{field}='ray' needs Ray: pip install 'asyncllm[ray]'"
         ) from exc
     if not ray.is_initialized():
         # Joins the cluster of RAY_ADDRESS or a running `ray start`, else starts one here.
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     return ray
+
+
+def cluster_environment(args: EngineArgs) -> dict[str, str]:
+    """RAY_ADDRESS for a core process whose tensor-parallel workers Ray places: the
+    cluster this process is connected to (where it called `ray.init`), so that the
+    core joins the same one. Empty otherwise: the core's `ray.init` then finds
+    RAY_ADDRESS or a `ray start` cluster itself. Never imports Ray."""
+    if args.tensor_parallel_size == 1 or args.distributed_executor_backend != "ray":
+        return {}
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return {}
+    return {"RAY_ADDRESS": str(ray.get_runtime_context().gcs_address)}
 
 
 def bind_host(args: EngineArgs) -> str:
@@ -69,6 +86,8 @@ class _CoreSupervisor:
             "--watch-stdin",
         ]
         env = dict(os.environ, **{KEYS_ENV: keys})
+        # its own tensor-parallel workers (if Ray places them) join this cluster
+        env["RAY_ADDRESS"] = str(import_ray().get_runtime_context().gcs_address)
         # stdin: a pipe this actor holds; the core exits when the actor's process ends.
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, close_fds=True)
         return self._proc.wait()

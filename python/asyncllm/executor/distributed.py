@@ -1,9 +1,13 @@
-"""torch.distributed set-up for one tensor-parallel group on one machine.
+"""torch.distributed set-up for one tensor-parallel group.
 
-The rendezvous is a `FileStore` in the executor's private directory (mode
-0700): no TCP store, which would listen on every interface. Gloo's own sockets
-are bound to the loopback interface (GLOO_SOCKET_IFNAME; NCCL_SOCKET_IFNAME for
-NCCL's bootstrap), so nothing of the group is reachable from outside the host.
+On one machine (the multiprocess executor) the rendezvous is a `FileStore` in the
+executor's private directory (mode 0700): no TCP store, which would listen on every
+interface, and gloo's own sockets are bound to the loopback interface
+(GLOO_SOCKET_IFNAME; NCCL_SOCKET_IFNAME for NCCL's bootstrap), so nothing of the
+group is reachable from outside the host. Across machines (the Ray executor) the
+store is rank 0's CURVE-secured hub (executor/hub.py) and gloo binds to the
+interface that holds the address the ranks reach each other on
+(`interface_of`, `interface_towards`).
 
 Two groups: the default one carries the model's collectives (all-reduce,
 logits gather) with `COLLECTIVE_TIMEOUT`, a backstop behind the executor's
@@ -13,8 +17,11 @@ rank 0's step messages, on which idle workers wait as long as the engine idles.
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import os
 import socket
+import struct
 from datetime import timedelta
 from typing import Any
 
@@ -35,17 +42,51 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def init_group(store_path: str, rank: int, size: int, device: str) -> Any:
-    """Join the group (every rank calls this once) and return the step group."""
+def interface_of(address: str) -> str:
+    """The name of the local interface that holds IP `address` (Linux), for gloo's
+    and NCCL's sockets; OSError naming the address when none does."""
+    ip = ipaddress.ip_address(address)
+    if ip.is_loopback:
+        return loopback_interface()
+    if ip.version == 6:
+        with open("/proc/net/if_inet6") as f:  # addr index prefix scope flags name
+            for line in f:
+                parts = line.split()
+                if len(parts) == 6 and int(parts[0], 16) == int(ip):
+                    return parts[5]
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    req = struct.pack("256s", name.encode()[:15])
+                    got = fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]
+                except OSError:  # down, or no IPv4 address
+                    continue
+                if socket.inet_ntoa(got) == address:
+                    return name
+    raise OSError(f"no network interface of this machine holds the address {address}")
+
+
+def interface_towards(address: str) -> str:
+    """The local interface this machine reaches `address` through (the route the
+    kernel picks; a UDP connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return interface_of(s.getsockname()[0])
+
+
+def init_group(store: Any, rank: int, size: int, device: str, interface: str) -> Any:
+    """Join the group through `store` (every rank calls this once), with gloo's
+    (and NCCL's bootstrap) sockets on `interface` unless GLOO_SOCKET_IFNAME
+    (NCCL_SOCKET_IFNAME) says otherwise, and return the step group."""
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialised in this process: one tensor-parallel "
             "engine per process (run the engine core in its own process)"
         )
-    lo = loopback_interface()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
-    store = dist.FileStore(store_path, size)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT

@@ -14,6 +14,10 @@ that meets the failure (a collective with the dead rank fails at once, as its
 sockets close) raises an error naming the rank, which fails the engine core like
 any runner error: every request gets EngineDeadError. Workers exit when the
 core's process ends (their stdin closes), so none outlive it.
+
+`TPExecutor` holds what does not depend on where the workers run (the join, the
+per-step calls, the failure a step raises); the Ray executor
+(executor/ray_executor.py) is its other subclass.
 """
 
 from __future__ import annotations
@@ -36,8 +40,15 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineStartupError
-from asyncllm.executor.distributed import STORE_FILE, close_group, init_group, threads_per_rank
+from asyncllm.executor.distributed import (
+    STORE_FILE,
+    close_group,
+    init_group,
+    loopback_interface,
+    threads_per_rank,
+)
 from asyncllm.executor.step_channel import StepSender
+from asyncllm.executor.worker_proc import status_error
 from asyncllm.models.parallel_state import set_tensor_parallel
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.runner_output import ModelRunnerOutput
@@ -62,11 +73,7 @@ class _Worker:
 
     def error_text(self) -> str | None:
         """The error the worker wrote (b"E", length, text), if any."""
-        i = self.buf.find(b"E")
-        if i < 0 or len(self.buf) < i + 5:
-            return None
-        n = int.from_bytes(self.buf[i + 1 : i + 5], "little")
-        return bytes(self.buf[i + 5 : i + 5 + n]).decode(errors="replace")
+        return status_error(self.buf)
 
     def exit_text(self) -> str:
         code = self.proc.poll()
@@ -77,90 +84,49 @@ class _Worker:
         return f"exited with status {code}"
 
 
-class MultiprocExecutor:
-    """Rank 0's handle on the workers: start, join, the per-step messages (the
-    runner's `TensorParallelDriver`), the watchdog, and shutdown."""
+class TPExecutor:
+    """Rank 0's handle on the workers, whatever starts them: join, the per-step
+    messages (the runner's `TensorParallelDriver`), and the failure the watchdog
+    records. Subclasses start the workers, wait for them, watch them, stop them."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.size = config.tensor_parallel_size
-        self.dir = tempfile.mkdtemp(prefix="asyncllm-tp-")
-        os.chmod(self.dir, 0o700)
-        self.workers: list[_Worker] = []
         self.sender: StepSender | None = None
         self.failure: str | None = None  # set once, by the watchdog
         self._closing = False
-        self._watchdog: threading.Thread | None = None
-
-    # -- start-up --------------------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn ranks 1..N-1; they load their shards while rank 0 loads its own."""
-        config_json = json.dumps(dataclasses.asdict(self.config))
-        for rank in range(1, self.size):
-            read_fd, write_fd = os.pipe()
-            cmd = [
-                sys.executable,
-                "-m",
-                "asyncllm.executor.worker_proc",
-                "--config",
-                config_json,
-                "--rank",
-                str(rank),
-                "--size",
-                str(self.size),
-                "--store",
-                os.path.join(self.dir, STORE_FILE),
-                "--status-fd",
-                str(write_fd),
-            ]
-            try:
-                # stdin: a pipe we never write; EOF tells the worker we are gone
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(write_fd,))
-            finally:
-                os.close(write_fd)
-            self.workers.append(_Worker(rank, proc, read_fd))
+        """Start ranks 1..N-1; they load their shards while rank 0 loads its own."""
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every worker has loaded its shard; EngineStartupError with
+        the rank's own error text if one fails (or `timeout` passes)."""
+        raise NotImplementedError
+
+    def rendezvous(self) -> tuple[Any, str]:
+        """Rank 0's store for the group's rendezvous, and the interface for gloo."""
+        raise NotImplementedError
+
+    def start_watchdog(self) -> None:
+        """After the join: watch the workers, recording a death or hang in `failure`."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
 
     def join(self, num_blocks: int) -> int:
         """Wait until every worker is ready, join the group, and return the KV
         block count all ranks can hold (the smallest)."""
         self.wait_ready(STARTUP_TIMEOUT_S)
-        group = init_group(os.path.join(self.dir, STORE_FILE), 0, self.size, self.config.device)
+        store, interface = self.rendezvous()
+        group = init_group(store, 0, self.size, self.config.device, interface)
         agreed = torch.tensor([num_blocks], dtype=torch.int64)
         torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=group)
         self.step_group = group
-        now = time.monotonic()
-        for w in self.workers:
-            w.last_seen = now
-        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
-        self._watchdog.start()
+        self.start_watchdog()
         return int(agreed.item())
-
-    def wait_ready(self, timeout: float) -> None:
-        """Block until every worker has loaded its shard; EngineStartupError with
-        the rank's own error text if one fails (or `timeout` passes)."""
-        deadline = time.monotonic() + timeout
-        while not all(w.ready for w in self.workers):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waiting = [w.rank for w in self.workers if not w.ready]
-                raise EngineStartupError(
-                    f"tensor-parallel rank(s) {waiting} were not ready within {timeout:.0f}s"
-                )
-            fds = [w.fd for w in self.workers if not w.ready]
-            readable, _, _ = select.select(fds, [], [], min(left, 1.0))
-            for w in self.workers:
-                if w.fd in readable:
-                    self._read(w)
-                    if w.buf[:1] == b"R":
-                        w.ready = True
-                        del w.buf[:1]
-                    elif w.closed:
-                        w.proc.wait(timeout=5)
-                        reason = w.error_text() or f"it {w.exit_text()}"
-                        raise EngineStartupError(
-                            f"tensor-parallel rank {w.rank} failed to start: {reason}"
-                        )
 
     # -- the runner's per-step calls (worker.model_runner.TensorParallelDriver) --------
 
@@ -196,6 +162,100 @@ class MultiprocExecutor:
         if self.failure is None:
             return exc
         return RuntimeError(f"{self.failure} ({type(exc).__name__}: {exc})")
+
+    def _fail(self, reason: str) -> None:
+        if self._closing:
+            return
+        if self.failure is None:
+            self.failure = reason
+        logger.error("%s", reason)
+
+    def _send_stop(self) -> bool:
+        """STOP to healthy workers (they return from their step loop); False when
+        a worker failed or STOP could not be sent."""
+        if self.sender is None or self.failure is not None:
+            return False
+        try:
+            self.sender.stop()
+            return True
+        except Exception as exc:  # a worker died meanwhile: stopped otherwise
+            logger.warning("could not send STOP to the workers: %s", exc)
+            return False
+
+
+class MultiprocExecutor(TPExecutor):
+    """Ranks 1..N-1 as child processes of the core: a status pipe each, a
+    FileStore rendezvous, gloo on loopback."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.dir = tempfile.mkdtemp(prefix="asyncllm-tp-")
+        os.chmod(self.dir, 0o700)
+        self.workers: list[_Worker] = []
+        self._watchdog: threading.Thread | None = None
+
+    # -- start-up --------------------------------------------------------------------
+
+    def start(self) -> None:
+        config_json = json.dumps(dataclasses.asdict(self.config))
+        for rank in range(1, self.size):
+            read_fd, write_fd = os.pipe()
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncllm.executor.worker_proc",
+                "--config",
+                config_json,
+                "--rank",
+                str(rank),
+                "--size",
+                str(self.size),
+                "--store",
+                os.path.join(self.dir, STORE_FILE),
+                "--status-fd",
+                str(write_fd),
+            ]
+            try:
+                # stdin: a pipe we never write; EOF tells the worker we are gone
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(write_fd,))
+            finally:
+                os.close(write_fd)
+            self.workers.append(_Worker(rank, proc, read_fd))
+
+    def rendezvous(self) -> tuple[Any, str]:
+        path = os.path.join(self.dir, STORE_FILE)
+        return torch.distributed.FileStore(path, self.size), loopback_interface()
+
+    def start_watchdog(self) -> None:
+        now = time.monotonic()
+        for w in self.workers:
+            w.last_seen = now
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(w.ready for w in self.workers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [w.rank for w in self.workers if not w.ready]
+                raise EngineStartupError(
+                    f"tensor-parallel rank(s) {waiting} were not ready within {timeout:.0f}s"
+                )
+            fds = [w.fd for w in self.workers if not w.ready]
+            readable, _, _ = select.select(fds, [], [], min(left, 1.0))
+            for w in self.workers:
+                if w.fd in readable:
+                    self._read(w)
+                    if w.buf[:1] == b"R":
+                        w.ready = True
+                        del w.buf[:1]
+                    elif w.closed:
+                        w.proc.wait(timeout=5)
+                        reason = w.error_text() or f"it {w.exit_text()}"
+                        raise EngineStartupError(
+                            f"tensor-parallel rank {w.rank} failed to start: {reason}"
+                        )
 
     # -- the watchdog ----------------------------------------------------------------
 
@@ -241,13 +301,6 @@ class MultiprocExecutor:
                     )
                     live.remove(w)
 
-    def _fail(self, reason: str) -> None:
-        if self._closing:
-            return
-        if self.failure is None:
-            self.failure = reason
-        logger.error("%s", reason)
-
     # -- shutdown --------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -256,14 +309,7 @@ class MultiprocExecutor:
         if self._closing:
             return
         self._closing = True
-        stopped = False
-        if self.sender is not None and self.failure is None:
-            try:
-                self.sender.stop()
-                stopped = True
-            except Exception as exc:  # a worker died meanwhile: stopped below
-                logger.warning("could not send STOP to the workers: %s", exc)
-        if not stopped:  # EOF on stdin: a worker exits wherever it is
+        if not self._send_stop():  # EOF on stdin: a worker exits wherever it is
             for w in self.workers:
                 if w.proc.stdin is not None:
                     w.proc.stdin.close()
@@ -287,7 +333,7 @@ class TPModelRunner(ModelRunner):
     """Rank 0's runner: the model runner, with the executor beside it. A step that
     fails because a worker died or hung raises the executor's reason."""
 
-    def __init__(self, config: EngineConfig, hf_config: Any, executor: MultiprocExecutor) -> None:
+    def __init__(self, config: EngineConfig, hf_config: Any, executor: TPExecutor) -> None:
         self.executor = executor
         super().__init__(config, hf_config, tp=executor)
         # The step message carries the input ids from the host: with overlap
@@ -313,9 +359,16 @@ class TPModelRunner(ModelRunner):
 
 def build_tp_runner(config: EngineConfig, hf_config: Any) -> TPModelRunner:
     """Rank 0's runner for `config.tensor_parallel_size` > 1, with its workers
-    started; on any start-up failure the workers are stopped and the error
-    (naming the rank that failed) is raised."""
-    executor = MultiprocExecutor(config)
+    started (here, or by Ray: `config.distributed_executor_backend`); on any
+    start-up failure the workers are stopped and the error (naming the rank that
+    failed) is raised."""
+    executor: TPExecutor
+    if config.distributed_executor_backend == "ray":
+        from asyncllm.executor.ray_executor import RayExecutor
+
+        executor = RayExecutor(config)
+    else:
+        executor = MultiprocExecutor(config)
     try:
         executor.start()
         threads = threads_per_rank(config)

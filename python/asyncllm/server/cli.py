@@ -17,6 +17,7 @@ from typing import Any
 from asyncllm.config import (
     DATA_PARALLEL_BACKENDS,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     EXECUTORS,
     KV_CACHE_DTYPES,
@@ -53,6 +54,9 @@ ENGINE_HELP: dict[str, str] = {
     "tensor_parallel_size": "shard the model over this many processes of each engine core"
     " (Llama, Mistral, Qwen2; gloo on the CPU, NCCL on CUDA); each rank runs --num-threads"
     " threads, by default the CPUs shared out among the ranks",
+    "distributed_executor_backend": "where tensor-parallel ranks 1..N-1 run: 'mp', worker"
+    " processes on the core's machine; 'ray', Ray actors in a placement group over the nodes"
+    " of a Ray cluster (pip install 'asyncllm[ray]'; ignored with --tensor-parallel-size 1)",
     "num_threads": "torch threads of each engine core (default: serve: all CPUs but one;"
     " generate: one per physical core; shared out among data-parallel cores)",
     "compile": "fuse the elementwise work between the matmuls with torch.compile (inductor);"
@@ -82,6 +86,7 @@ _CHOICES = {
     "device": DEVICES,
     "executor": EXECUTORS,
     "data_parallel_backend": DATA_PARALLEL_BACKENDS,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
     "omp_wait_policy": OMP_WAIT_POLICIES,
 }
 
