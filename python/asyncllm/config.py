@@ -96,7 +96,7 @@ class EngineArgs:
     prefix_aware_routing: bool = False
     # Where data-parallel cores run: "mp", child processes on this machine over ipc
     # sockets; "ray", Ray actors spread over a Ray cluster's nodes, reaching this
-    # process over TCP secured with CURVE (engine/ray_launcher.py, engine/curve.py).
+    # process over TCP secured with CURVE (engine/ray_launcher.py, curve.py).
     data_parallel_backend: str = "mp"
     # With "ray": the address this process listens on for the cores, never all
     # interfaces by default (None: this node's IP as Ray reports it).

@@ -39,13 +39,12 @@ from typing import Any
 
 import zmq
 
-from asyncllm import _core, envs
+from asyncllm import _core, curve, envs
 from asyncllm.config import EngineArgs
 from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
-from asyncllm.engine import curve
+from asyncllm.curve import ClientKeys
 from asyncllm.engine.core import EngineCore, build_engine_core
-from asyncllm.engine.curve import ClientKeys
 from asyncllm.engine.overlap import OverlapStepper
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError

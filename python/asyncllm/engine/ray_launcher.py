@@ -3,7 +3,7 @@
 Ray only places and supervises: an actor on the chosen node starts the same
 `python -m asyncllm.engine.core_proc` a local core is, with `--watch-stdin`, and
 waits for it. The core connects back to the front end over TCP, secured with CURVE
-(engine/curve.py): the front end binds to the address the user gives (or the IP
+(curve.py): the front end binds to the address the user gives (or the IP
 Ray reports for this node), never to all interfaces. If the front end dies, Ray
 ends the actors it owns; the core sees its stdin close and exits, as a local one
 does. `RayCoreProcess` has `CoreProcess`'s interface, so `MPClient` treats both alike.
@@ -22,28 +22,13 @@ import sys
 from typing import Any
 
 from asyncllm.config import EngineArgs
-from asyncllm.engine.curve import KEYS_ENV, ClientKeys
+from asyncllm.curve import KEYS_ENV, ClientKeys
+from asyncllm.ray_import import import_ray
 
 logger = logging.getLogger(__name__)
 
 # An actor killed (or lost with its node) leaves no exit code: report it as SIGKILL's.
 _KILLED = -9
-
-
-def import_ray(field: str = "data_parallel_backend") -> Any:
-    """Ray, with an error that says how to get it where it is not installed."""
-    try:
-        import ray
-    except ImportError as exc:
-        from asyncllm.errors import ConfigError
-
-        raise ConfigError(
-            f"EngineArgs.{field}='ray' needs Ray: pip install 'asyncllm[ray]'"
-        ) from exc
-    if not ray.is_initialized():
-        # Joins the cluster of RAY_ADDRESS or a running `ray start`, else starts one here.
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
-    return ray
 
 
 def cluster_environment(args: EngineArgs) -> dict[str, str]:

@@ -6,7 +6,7 @@ and torch's TCPStore cannot serve instead: its server listens on every interface
 whatever host it is given (it binds "::"; checked with torch 2.15) and lets anyone
 read and write the group's keys. Here rank 0 binds one ROUTER socket to the address
 given (never all interfaces) as a CURVE server whose ZAP handler admits only the
-workers' key, made at start-up and handed to them through Ray (engine/curve.py). Each
+workers' key, made at start-up and handed to them through Ray (curve.py). Each
 worker connects two DEALER sockets: one for its status bytes (worker_proc's pipe
 protocol: b"R", b"H" heartbeats, b"E" + length + text), one for its `dist.Store`
 calls. No pickle: frames are raw bytes and UTF-8 keys.
@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 import zmq
 
-from asyncllm.engine import curve
+from asyncllm import curve
 
 STORE_TIMEOUT = timedelta(seconds=300)  # a rendezvous key not set by then is an error
 _MAX_PARKED = 10_000

@@ -39,13 +39,13 @@ import uuid
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.ray_launcher import import_ray
 from asyncllm.errors import EngineStartupError
 from asyncllm.executor.distributed import close_group, interface_of
 from asyncllm.executor.hub import Hub, LocalStore
 from asyncllm.executor.multiproc import HANG_S, TPExecutor
 from asyncllm.executor.ray_actor import WorkerSupervisor, visible_devices
 from asyncllm.executor.worker_proc import status_error
+from asyncllm.ray_import import import_ray
 
 logger = logging.getLogger(__name__)
 

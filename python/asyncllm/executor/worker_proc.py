@@ -100,7 +100,7 @@ class RayLink:
     and the one GPU Ray gave this rank's actor (CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self, endpoint: str, rank: int) -> None:
-        from asyncllm.engine.curve import take_client_keys
+        from asyncllm.curve import take_client_keys
         from asyncllm.executor.hub import HubLink
 
         keys = take_client_keys(WORKER_KEYS_ENV)

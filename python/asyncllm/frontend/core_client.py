@@ -28,9 +28,8 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from asyncllm import _core
+from asyncllm import _core, curve
 from asyncllm.config import EngineArgs
-from asyncllm.engine import curve
 from asyncllm.engine.launcher import CoreProcess
 from asyncllm.engine.ray_launcher import RayCoreProcess, bind_host
 from asyncllm.errors import EngineDeadError, EngineStartupError
