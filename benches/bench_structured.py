@@ -152,15 +152,15 @@ def engine(args, model: Path) -> None:
     from asyncllm.worker import structured
 
     spent: list[float] = []
-    original = structured.GrammarRows._fill
+    original = structured.GrammarRows._advance_fill
 
-    def timed(self, pending, req_ids):
+    def timed(self, *a):
         t0 = time.perf_counter()
-        r = original(self, pending, req_ids)
+        r = original(self, *a)
         spent.append(time.perf_counter() - t0)
         return r
 
-    structured.GrammarRows._fill = timed  # type: ignore[method-assign]
+    structured.GrammarRows._advance_fill = timed  # type: ignore[method-assign]
     n, max_tokens = 64, 16 if args.quick else 64
     # runs to max_tokens: an array of many small integers
     long_schema = {
