@@ -91,7 +91,7 @@ fn check_masks(b: &Batch<'_>, n: usize) -> Result<(), KernelError> {
             k.of_row.len()
         )));
     }
-    if k.words < b.vocab.div_ceil(32) || k.bits.len() % k.words != 0 {
+    if k.words < b.vocab.div_ceil(32) || !k.bits.len().is_multiple_of(k.words) {
         return Err(bad(format!(
             "bitmask of {} words per row does not cover vocab {}",
             k.words, b.vocab
