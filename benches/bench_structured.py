@@ -14,7 +14,8 @@ engine.
 2. The engine (the micro model, benches/models.py): tokens/s of 64 streams under
    a JSON schema that runs to max_tokens against 64 unconstrained streams, in
    alternating pairs, and the time the runner's helper thread spends per step on
-   the last step's advance and this step's masks (beside the forward pass).
+   the last step's advance and the next step's masks (filled ahead, right after
+   the draw).
 3. Compile time of the 30 test schemas (p50, p99), fresh compiler cache.
 """
 
