@@ -581,4 +581,3 @@ class GrammarCompiler:
         the indices of matchers in error (their rows allow EOS only)."""
     def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bytes:
         """Advances matchers[i] by tokens[i]; per matcher a GRAMMAR_* status (a byte)."""
-
