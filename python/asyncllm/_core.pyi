@@ -506,6 +506,8 @@ def _sample(
     logprob_ids: _Buffer,
     logprob_values: _Buffer,
     num_threads: int,
+    bitmask: _Buffer | None = None,
+    bitmask_rows: _Buffer | None = None,
 ) -> list[int]:
     """Samples every row of `logits` [n, vocab] float32 in one call (rust/sampler),
     reading it in place with the GIL released. Private: its one caller,
@@ -520,8 +522,12 @@ def _sample(
     occurrences among the outputs; banned_* likewise (min_tokens). Writes sampled
     [n] and ranks [n] int64, logprob_ids [n, w] int64 and logprob_values [n, w]
     float32 (w = 0, or >= 1 + every row's num_logprobs; padded with -1 / NaN).
-    Returns the rows whose logits had no finite maximum (sampled as their argmax).
-    Raises ValueError, writing nothing, on a bad dtype, shape, parameter or token id."""
+    Constrained rows: bitmask [m, words] int32 and bitmask_rows [m] int64 (distinct
+    rows); row bitmask_rows[i] samples as if every token row i of the bitmask does
+    not allow had logit -inf (logprobs and ranks too), masked as the kernel reads
+    it. Returns the rows whose logits had no finite maximum (sampled as their
+    argmax). Raises ValueError, writing nothing, on a bad dtype, shape, parameter
+    or token id."""
 
 # -- constrained decoding (rust/structured, rust/py/structured.rs) ------------------
 
@@ -575,7 +581,3 @@ class GrammarCompiler:
         the indices of matchers in error (their rows allow EOS only)."""
     def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bytes:
         """Advances matchers[i] by tokens[i]; per matcher a GRAMMAR_* status (a byte)."""
-
-def _apply_token_bitmask(logits: _Buffer, bitmask: _Buffer, rows: list[int]) -> None:
-    """Sets logits[rows[i], t] = -inf where row i of `bitmask` disallows t, in place
-    with the GIL released. Private: the runner's sampler owns both buffers."""

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::kernels::{buffer, byte_range, data_ptr};
 use crate::error::Error;
-use crate::sampler::{self, Batch, Outputs, RowParams, TokenLists};
+use crate::sampler::{self, Batch, Masks, Outputs, RowParams, TokenLists};
 
 /// Columns of `params_f` and `params_i` (python/asyncllm/worker/input_batch.py).
 const NUM_F: usize = 6;
@@ -84,14 +84,25 @@ fn row_params(f: &[f32], i: &[i64]) -> PyResult<Vec<RowParams>> {
 /// `seen_counts` (occurrences among the outputs), `banned_offsets` `[n + 1]` and
 /// `banned_tokens`. Writes `sampled` `[n]` and `ranks` `[n]` (int64) and
 /// `logprob_ids` `[n, w]` int64 / `logprob_values` `[n, w]` f32 (w = 0, or at
-/// least 1 + every row's num_logprobs). Returns the rows whose logits had no
-/// finite maximum. Raises `ValueError`, writing nothing, on a bad argument.
+/// least 1 + every row's num_logprobs). Constrained rows (structured output):
+/// `bitmask` `[m, words]` int32 and `bitmask_rows` `[m]` int64, distinct rows:
+/// row `bitmask_rows[i]` samples as if every token that row `i` of the
+/// bitmask does not allow had logit -inf, logprobs and ranks included (the
+/// mask is applied as the kernel reads the row: no separate pass). Returns the
+/// rows whose logits had no finite maximum. Raises `ValueError`, writing
+/// nothing, on a bad argument.
 ///
 /// Private to the package (`_sample`): its one caller,
 /// `asyncllm.worker.sampler_kernel.sample_cpu`, keeps the promise the GIL can
 /// no longer keep once it is released: no other thread writes `logits` or
-/// touches the outputs meanwhile. Everything else is copied first.
+/// touches the outputs meanwhile, nor writes `bitmask` (the runner's own
+/// array, filled before this call). Everything else is copied first.
 #[pyfunction(name = "_sample")]
+#[pyo3(signature = (
+    logits, params_f, params_i, seen_offsets, seen_tokens, seen_counts, banned_offsets,
+    banned_tokens, sampled, ranks, logprob_ids, logprob_values, num_threads,
+    bitmask = None, bitmask_rows = None,
+))]
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
 fn sample(
     py: Python<'_>,
@@ -108,6 +119,8 @@ fn sample(
     logprob_ids: &Bound<'_, PyAny>,
     logprob_values: &Bound<'_, PyAny>,
     num_threads: usize,
+    bitmask: Option<&Bound<'_, PyAny>>,
+    bitmask_rows: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<usize>> {
     let logits = buffer::<f32>(logits, "logits", "float32", 2)?;
     let (n, vocab) = (logits.shape()[0], logits.shape()[1]);
@@ -145,17 +158,29 @@ fn sample(
             values.shape()
         )));
     }
-    let ranges = [
+    let bits = match bitmask {
+        Some(b) => Some(buffer::<i32>(b, "bitmask", "int32", 2)?),
+        None => None,
+    };
+    let of_row = match (&bits, bitmask_rows) {
+        (None, None) => Vec::new(),
+        (Some(bits), Some(rows)) => mask_of_row(py, bits, rows, n)?,
+        _ => return Err(err("bitmask and bitmask_rows must be given together".into())),
+    };
+    let mut ranges = vec![
         byte_range(&logits),
         byte_range(&sampled),
         byte_range(&ranks),
         byte_range(&ids),
         byte_range(&values),
     ];
+    ranges.extend(bits.as_ref().map(byte_range));
     for (a, ra) in ranges.iter().enumerate() {
         for rb in &ranges[a + 1..] {
             if ra.0 < ra.1 && rb.0 < rb.1 && ra.0 < rb.1 && rb.0 < ra.1 {
-                return Err(err("logits and the four outputs must not overlap".into()));
+                return Err(err(
+                    "logits, bitmask and the four outputs must not overlap".into()
+                ));
             }
         }
     }
@@ -183,6 +208,22 @@ fn sample(
             width,
         }
     };
+    let masks = match &bits {
+        // SAFETY: a C-contiguous (checked by `buffer`) int32 buffer, aligned
+        // (pyo3 checked) and valid for `item_count` reads while the `PyBuffer`
+        // is held (all of this function); u32 has i32's size and alignment. Only
+        // read: the sole caller fills it before this call and writes it again
+        // only after it returns (the next step's fill), and it overlaps none of
+        // the outputs (checked above).
+        Some(b) => Masks {
+            bits: unsafe {
+                std::slice::from_raw_parts(data_ptr(b).cast::<u32>().cast_const(), b.item_count())
+            },
+            words: b.shape()[1],
+            of_row: &of_row,
+        },
+        None => Masks::NONE,
+    };
     let batch = Batch {
         logits: logits_view,
         vocab,
@@ -196,9 +237,39 @@ fn sample(
             offsets: &banned_offsets,
             tokens: &banned_tokens,
         },
+        masks,
     };
     py.detach(|| sampler::sample(&batch, out, num_threads))
         .map_err(|e| Error::from(e).into())
+}
+
+/// The mask index of each of the `n` logits rows (`Masks::of_row`) from
+/// `bitmask_rows`; a `ValueError` for a row out of range or listed twice, or a
+/// bitmask with fewer rows than `bitmask_rows` or 0 words.
+fn mask_of_row(
+    py: Python<'_>,
+    bits: &PyBuffer<i32>,
+    rows: &Bound<'_, PyAny>,
+    n: usize,
+) -> PyResult<Vec<usize>> {
+    let rows: Vec<usize> = ints(py, rows, "bitmask_rows")?;
+    let (m, words) = (bits.shape()[0], bits.shape()[1]);
+    if rows.len() > m || words == 0 {
+        return Err(err(format!(
+            "bitmask [{m}, {words}] has too few rows or words for {} bitmask_rows",
+            rows.len()
+        )));
+    }
+    let mut of_row = vec![Masks::UNCONSTRAINED; n];
+    for (i, &r) in rows.iter().enumerate() {
+        if r >= n || of_row[r] != Masks::UNCONSTRAINED {
+            return Err(err(format!(
+                "bitmask_rows: row {r} is out of range or listed twice ({n} rows)"
+            )));
+        }
+        of_row[r] = i;
+    }
+    Ok(of_row)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -2,7 +2,7 @@
 //! before anything is written, so a bad call fails whole with a message naming
 //! the row and the field.
 
-use super::{Batch, Outputs, TokenLists};
+use super::{Batch, Masks, Outputs, TokenLists};
 use crate::kernels::KernelError;
 
 fn bad(msg: String) -> KernelError {
@@ -34,6 +34,7 @@ pub(super) fn check(
     if out.logprob_ids.len() != n * out.width || out.logprob_values.len() != n * out.width {
         return Err(bad(format!("logprob outputs must be [{n}, {}]", out.width)));
     }
+    check_masks(b, n)?;
     check_lists(&b.seen, n, b.vocab, "seen")?;
     check_lists(&b.banned, n, b.vocab, "banned")?;
     if b.seen_counts.len() != b.seen.tokens.len() {
@@ -75,6 +76,34 @@ pub(super) fn check(
                 p.min_p
             )));
         }
+    }
+    Ok(())
+}
+
+fn check_masks(b: &Batch<'_>, n: usize) -> Result<(), KernelError> {
+    let k = &b.masks;
+    if k.of_row.is_empty() {
+        return Ok(());
+    }
+    if k.of_row.len() != n {
+        return Err(bad(format!(
+            "mask rows must have {n} entries, got {}",
+            k.of_row.len()
+        )));
+    }
+    if k.words < b.vocab.div_ceil(32) || !k.bits.len().is_multiple_of(k.words) {
+        return Err(bad(format!(
+            "bitmask of {} words per row does not cover vocab {}",
+            k.words, b.vocab
+        )));
+    }
+    let m = k.bits.len() / k.words;
+    if let Some(i) = k
+        .of_row
+        .iter()
+        .find(|&&i| i != Masks::UNCONSTRAINED && i >= m)
+    {
+        return Err(bad(format!("mask {i} is not in 0..{m}")));
     }
     Ok(())
 }

@@ -99,6 +99,40 @@ pub struct Batch<'a> {
     pub seen_counts: &'a [u32],
     /// The tokens each row may not sample yet (`min_tokens`).
     pub banned: TokenLists<'a>,
+    /// The allowed-token bitmasks of the constrained rows (structured output).
+    pub masks: Masks<'a>,
+}
+
+/// Allowed-token bitmasks: a constrained row samples as if every token its
+/// mask does not allow had logit -inf (penalties, logprobs and ranks included).
+/// The row is masked into scratch as the first pass over it, so the passes that
+/// follow read it from cache: no separate pass over the whole batch.
+#[derive(Clone, Copy)]
+pub struct Masks<'a> {
+    /// `[m, words]`: bit `t % 32` of word `t / 32` of a mask allows token `t`.
+    pub bits: &'a [u32],
+    /// At least `vocab.div_ceil(32)`.
+    pub words: usize,
+    /// `[rows]` (or empty: no row is constrained): the mask of each logits row,
+    /// or `Masks::UNCONSTRAINED`.
+    pub of_row: &'a [usize],
+}
+
+impl Masks<'_> {
+    /// `of_row` entry of a row without a mask.
+    pub const UNCONSTRAINED: usize = usize::MAX;
+    /// No row is constrained.
+    pub const NONE: Masks<'static> = Masks {
+        bits: &[],
+        words: 0,
+        of_row: &[],
+    };
+
+    #[inline(always)]
+    fn of(&self, r: usize) -> Option<&[u32]> {
+        let m = *self.of_row.get(r)?;
+        (m != Self::UNCONSTRAINED).then(|| &self.bits[m * self.words..(m + 1) * self.words])
+    }
 }
 
 /// Where one call writes.
@@ -198,7 +232,8 @@ struct Scratch {
     e: Vec<f32>,
     e2: Vec<f32>,
     sums: Vec<f32>,
-
+    /// A constrained row with its disallowed tokens at -inf.
+    masked: Vec<f32>,
     ov: Vec<(u32, f32)>,
     cands: Vec<(f32, u32)>,
 }
@@ -209,7 +244,7 @@ impl Scratch {
             e: Vec::new(),
             e2: Vec::new(),
             sums: vec![0.0; vocab.div_ceil(select::CHUNK)],
-
+            masked: Vec::new(),
             ov: Vec::new(),
             cands: Vec::new(),
         }
@@ -261,7 +296,15 @@ fn row<A: Arith>(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
     let r = o.row;
     let p = &b.rows[r];
     let v = b.vocab;
-    let logits = &b.logits[r * v..(r + 1) * v];
+    let raw = &b.logits[r * v..(r + 1) * v];
+    let mut masked = std::mem::take(&mut s.masked);
+    let logits = match b.masks.of(r) {
+        Some(bits) => {
+            select::mask_into(raw, bits, &mut masked);
+            &masked[..]
+        }
+        None => raw,
+    };
     let (s0, s1) = (b.seen.offsets[r], b.seen.offsets[r + 1]);
     let (b0, b1) = (b.banned.offsets[r], b.banned.offsets[r + 1]);
     penalties::overrides(
@@ -287,6 +330,7 @@ fn row<A: Arith>(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
     } else {
         *o.rank = 0;
     }
+    s.masked = masked;
 }
 
 /// The first index of the largest changed logit (NaN ignored) and that logit;

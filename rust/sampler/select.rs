@@ -33,6 +33,30 @@ pub(super) const L: usize = 16;
 /// Elements per chunk sum of the exponentials (the draw's coarse index).
 pub(super) const CHUNK: usize = 256;
 
+/// Writes `x` into `out` (resized to match) with -inf at every entry whose bit
+/// in `bits` is clear: whole 32-entry words at a time where a word is all clear
+/// (the common case under a grammar) or all set, a branch-free select otherwise,
+/// so that every case vectorises.
+#[inline(always)]
+pub(super) fn mask_into(x: &[f32], bits: &[u32], out: &mut Vec<f32>) {
+    out.resize(x.len(), 0.0);
+    for ((xc, oc), &word) in x.chunks(32).zip(out.chunks_mut(32)).zip(bits) {
+        if word == u32::MAX {
+            oc.copy_from_slice(xc);
+        } else if word == 0 {
+            oc.fill(f32::NEG_INFINITY);
+        } else {
+            for (b, (xv, ov)) in xc.iter().zip(oc.iter_mut()).enumerate() {
+                *ov = if (word >> b) & 1 != 0 {
+                    *xv
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+    }
+}
+
 /// The largest value of `xs` (NaN ignored), or -inf.
 #[inline(always)]
 pub(super) fn max(xs: &[f32]) -> f32 {

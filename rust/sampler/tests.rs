@@ -85,6 +85,7 @@ fn run(
             offsets: &bo,
             tokens: &bt,
         },
+        masks: Masks::NONE,
     };
     let mut sampled = vec![0i64; n];
     let mut ranks = vec![0i64; n];

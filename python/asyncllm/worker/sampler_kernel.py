@@ -33,10 +33,10 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     whose logits had no finite maximum (sampled as their argmax)."""
     logits = logits.float().contiguous()
     n = logits.shape[0]
-    if md.allowed is not None:  # tokens outside a row's grammar: -inf, in place
+    mask_rows = bitmask = None
+    if md.allowed is not None:  # tokens outside a row's grammar: -inf as the kernel reads
         let_grammar_win(md)
-        rows, bitmask = md.allowed
-        _core._apply_token_bitmask(logits.numpy(), bitmask, rows.tolist())
+        mask_rows, bitmask = md.allowed
     width = 0 if md.max_num_logprobs is None else md.max_num_logprobs + 1
     sampled = torch.empty(n, dtype=torch.int64)
     ranks = torch.empty(n, dtype=torch.int64)
@@ -46,7 +46,9 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     banned = _lists(md.banned, n)
     # The kernel reads `logits` in place with the GIL released: sound because this
     # is the runner's thread and the tensor was just computed for this step; no
-    # other thread holds it. The outputs are fresh tensors.
+    # other thread holds it. The outputs are fresh tensors. The bitmask is the
+    # grammar rows' own array, filled before this step's sampling and written
+    # again only by the next step's fill.
     nonfinite = _core._sample(
         logits.numpy(),
         md.params_f,
@@ -61,6 +63,8 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         ids.numpy(),
         values.numpy(),
         torch.get_num_threads(),
+        bitmask,
+        mask_rows,
     )
     out = SamplerOutput(sampled=sampled)
     if nonfinite:

@@ -4,16 +4,22 @@ allowed-token bitmask for the constrained rows being sampled (one Rust call, the
 GIL released; rows whose matchers are in the same state share one mask), and the
 advance of every matcher by its sampled token.
 
-The runner starts the fill on a helper thread before the forward pass and waits
-for it just before sampling, so the masks are computed while the model runs. The
-advance by the last step's tokens runs first in that same helper task, not on the
-runner's thread after the draw: nothing reads a matcher between the draw and the
-next fill, so the advance hides behind the forward pass too. The mask of step N+1
-still always follows the token of step N, with or without overlap scheduling.
+Right after a step's draw the runner hands the sampled tokens to a helper thread,
+which advances those matchers and at once fills their next masks: the next step
+most likely samples the same requests, so their masks are computed while the
+engine handles this step's outputs, schedules the next and runs its forward pass
+(the fill releases the GIL). The runner waits for them just before sampling;
+rows the fill ahead did not cover (a request new to sampling, or resumed with a
+fresh matcher) are filled on the helper thread after it, beside the forward pass.
+The mask of step N+1 always follows the token of step N: the helper runs its
+tasks in order, and nothing else touches a matcher meanwhile.
 
-On a CPU the forward pass's threads already hold every core: the fill runs
+Where to fill was measured on a 2-core box (benches/RESULTS.md, "constrained
+decoding within 10 %"): ahead of the step as here, then beside the forward pass,
+then serially on the runner's thread before it, in that order. The fill runs
 serially on the helper thread unless spare cores exist, since more threads only
-take the forward's cores from it.
+take the forward's cores from it. The sampler applies the masks as it reads each
+row (`_core._sample`'s bitmask): no separate pass over the logits.
 
 A matcher follows the request's tokens, not its blocks: a request that resumes
 after preemption (or finds its prompt in the prefix cache) gets a fresh matcher
@@ -47,15 +53,45 @@ def fill_threads() -> int:
     return max(1, (os.cpu_count() or 1) - torch.get_num_threads())
 
 
+class StepMasks:
+    """One step's masks, being filled: `result()` waits for the fill and gives
+    (indices of the constrained rows [m] int64, their bitmask rows [m, words]
+    int32), the form `SamplingMetadata.allowed` takes."""
+
+    def __init__(
+        self,
+        futures: list[Future[None]],
+        idx: list[int],
+        buf: np.ndarray,
+        gather: np.ndarray | None,
+    ) -> None:
+        self._futures = futures
+        self._idx = idx
+        self._buf = buf
+        self._gather = gather  # buffer row of each constrained row; None: 0..m-1
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        for f in self._futures:
+            f.result()
+        m = len(self._idx)
+        bitmask = self._buf[:m] if self._gather is None else self._buf[self._gather]
+        return np.asarray(self._idx, dtype=np.int64), bitmask
+
+
+# (buffer row of each request filled ahead, its matcher then, the fill)
+_Ahead = tuple[dict[int, int], list[_core.GrammarMatcher], Future[None]]
+
+
 class GrammarRows:
     def __init__(self, cache: GrammarCache, max_num_seqs: int) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.matchers: dict[int, _core.GrammarMatcher] = {}
         self.threads = fill_threads()
-        self._bitmask: np.ndarray | None = None  # [max_num_seqs, words] int32, reused
-        self._pool: ThreadPoolExecutor | None = None  # the fill beside the forward pass
-        self._pending: list[_Advance] = []  # draws whose advance waits for the next fill
+        # [2 * max_num_seqs, words] int32, reused: rows filled ahead, then the rest
+        self._buf: np.ndarray | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the helper thread
+        self._ahead: _Ahead | None = None
 
     def add(self, new: NewRequestData) -> None:
         if new.grammar is None:
@@ -67,52 +103,83 @@ class GrammarRows:
         self.matchers[new.req_id] = matcher
 
     def remove(self, req_id: int) -> None:
-        # a pending advance of its matcher still runs, harmlessly: nothing reads it
+        # a fill ahead that holds its matcher still runs, harmlessly: nothing reads it
         self.matchers.pop(req_id, None)
 
-    def bitmask(self, req_ids: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
-        """For the rows of `req_ids` (the step's sampled requests, in order): the
-        indices of the constrained ones and their bitmask rows [m, words] int32;
-        None when none is constrained. Pending advances are consumed first."""
-        pending, self._pending = self._pending, []
-        return self._fill(pending, req_ids)
-
-    def bitmask_async(
-        self, req_ids: list[int]
-    ) -> Future[tuple[np.ndarray, np.ndarray] | None] | None:
-        """`bitmask` on the helper thread (the GIL is released while it advances
-        and fills); None when no row of `req_ids` is constrained."""
-        matchers = self.matchers
-        if not any(rid in matchers for rid in req_ids):
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        pending, self._pending = self._pending, []
-        return self._pool.submit(self._fill, pending, req_ids)
-
-    def _fill(
-        self, pending: list[_Advance], req_ids: list[int]
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        compiler = self.cache.compiler
-        for ms, tokens in pending:
-            compiler.advance(ms, tokens)
+    def bitmask_async(self, req_ids: list[int]) -> StepMasks | None:
+        """The masks of the constrained rows among `req_ids` (the step's sampled
+        requests, in order); None when none is constrained. Rows filled ahead
+        (`advance`) are taken as they are; the rest (a request new to sampling,
+        or resumed with a fresh matcher) are filled on the helper thread, after
+        the fill ahead, while the forward pass runs."""
         matchers = self.matchers
         idx = [i for i, rid in enumerate(req_ids) if rid in matchers]
         if not idx:
             return None
-        if self._bitmask is None:
-            self._bitmask = np.zeros((self.max_num_seqs, compiler.words), dtype=np.int32)
-        m = len(idx)
-        compiler.fill_bitmasks(
-            [matchers[req_ids[i]] for i in idx], self._bitmask, list(range(m)), self.threads
-        )
-        return np.asarray(idx, dtype=np.int64), self._bitmask[:m]
+        buf = self._buffer()
+        ahead, self._ahead = self._ahead, None
+        futures: list[Future[None]] = []
+        src = [-1] * len(idx)
+        base = 0
+        if ahead is not None:
+            where, filled, future = ahead
+            futures.append(future)
+            base = len(filled)
+            for j, i in enumerate(idx):
+                k = where.get(req_ids[i], -1)
+                if k >= 0 and filled[k] is matchers[req_ids[i]]:  # not a new matcher
+                    src[j] = k
+        missing = [j for j, k in enumerate(src) if k < 0]
+        if missing:
+            for n, j in enumerate(missing):
+                src[j] = base + n
+            ms = [matchers[req_ids[idx[j]]] for j in missing]
+            rows = list(range(base, base + len(missing)))
+            # one helper thread runs its tasks in order: this one after the fill ahead
+            futures.append(self._executor().submit(self._advance_fill, [], ms, buf, rows))
+        gather = None if src == list(range(len(src))) else np.asarray(src, dtype=np.int64)
+        return StepMasks(futures, idx, buf, gather)
 
     def advance(self, req_ids: list[int], sampled: list[int], rows: np.ndarray) -> None:
-        """Record each constrained row's sampled token (`rows` as `bitmask`
-        returned them); its matcher consumes it at the start of the next fill."""
+        """Each constrained row's sampled token (`rows`: the indices `bitmask_async`
+        gave). The helper thread advances those matchers at once and fills their
+        next masks, as the next step most likely samples the same requests: the
+        fill starts while the engine handles this step's outputs and schedules
+        the next, and goes on beside the next forward pass."""
         idx = rows.tolist()
-        self._pending.append(([self.matchers[req_ids[i]] for i in idx], [sampled[i] for i in idx]))
+        ms = [self.matchers[req_ids[i]] for i in idx]
+        draw: _Advance = (ms, [sampled[i] for i in idx])
+        where = {req_ids[i]: k for k, i in enumerate(idx)}
+        buf = self._buffer()
+        future = self._executor().submit(self._advance_fill, [draw], ms, buf, list(range(len(ms))))
+        self._ahead = (where, ms, future)
+
+    def _buffer(self) -> np.ndarray:
+        if self._buf is None:
+            words = self.cache.compiler.words
+            self._buf = np.zeros((2 * self.max_num_seqs, words), dtype=np.int32)
+        return self._buf
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._pool
+
+    def _advance_fill(
+        self,
+        pending: list[_Advance],
+        matchers: list[_core.GrammarMatcher],
+        buf: np.ndarray,
+        rows: list[int],
+    ) -> None:
+        """Consumes the pending draws, then writes each matcher's mask into its
+        row of `buf`: with the GIL released, on whichever thread calls it. It
+        reads nothing the runner's thread may change meanwhile."""
+        compiler = self.cache.compiler
+        for ms, tokens in pending:
+            compiler.advance(ms, tokens)
+        if matchers:
+            compiler.fill_bitmasks(matchers, buf, rows, self.threads)
 
 
 def let_grammar_win(md: SamplingMetadata) -> None:

@@ -271,6 +271,7 @@ fn logprobs_are_of_the_raw_logits() {
             offsets: &[0, 0],
             tokens: &[],
         },
+        masks: Masks::NONE,
     };
     let (mut s, mut r, mut ids, mut vals) = ([0i64], [0i64], [0i64; 7], [0f32; 7]);
     let out = Outputs {
@@ -359,6 +360,7 @@ fn bad_arguments_are_errors() {
                 offsets: &so,
                 tokens: &[],
             },
+            masks: Masks::NONE,
         };
         let (mut s, mut r) = ([0i64], [0i64]);
         let out = Outputs {
@@ -504,5 +506,76 @@ fn time_pieces_once() {
             };
             black_box(run(&row, row.len(), &[p], &[], 1));
         });
+    }
+}
+#[test]
+fn mask_into_keeps_allowed_entries_only() {
+    let x: Vec<f32> = (0..70).map(|i| i as f32).collect();
+    // word 0: mixed, word 1: all set, word 2 (6 entries): all clear
+    let bits = [0b1010_0000_0000_0000_0000_0000_0000_0101u32, u32::MAX, 0];
+    let mut out = vec![1.0; 3]; // resized
+    select::mask_into(&x, &bits, &mut out);
+    assert_eq!(out.len(), 70);
+    for (i, &v) in out.iter().enumerate() {
+        let allowed = matches!(i, 0 | 2 | 29 | 31) || (32..64).contains(&i);
+        assert_eq!(v, if allowed { i as f32 } else { f32::NEG_INFINITY }, "{i}");
+    }
+}
+#[test]
+fn masked_rows_draw_allowed_tokens_only() {
+    let vocab = 100;
+    let mut g = Lcg(9);
+    let logits = g.logits(3 * vocab, 8.0);
+    // row 0: only token 77; row 1: unconstrained; row 2: tokens 3 and 40
+    let bits = [[0u32, 0, 1 << 13, 0], [(1 << 3), (1 << 8), 0, 0]].concat();
+    let of_row = [0, Masks::UNCONSTRAINED, 1];
+    let so = [0usize; 4];
+    for p in [
+        params(),
+        RowParams {
+            greedy: true,
+            ..params()
+        },
+        RowParams {
+            top_k: 5,
+            top_p: 0.5,
+            ..params()
+        },
+    ] {
+        for position in 0..20 {
+            let rows = [RowParams { position, ..p }; 3];
+            let batch = Batch {
+                logits: &logits,
+                vocab,
+                rows: &rows,
+                seen: TokenLists {
+                    offsets: &so,
+                    tokens: &[],
+                },
+                seen_counts: &[],
+                banned: TokenLists {
+                    offsets: &so,
+                    tokens: &[],
+                },
+                masks: Masks {
+                    bits: &bits,
+                    words: 4,
+                    of_row: &of_row,
+                },
+            };
+            let (mut s, mut r) = ([0i64; 3], [0i64; 3]);
+            let out = Outputs {
+                sampled: &mut s,
+                ranks: &mut r,
+                logprob_ids: &mut [],
+                logprob_values: &mut [],
+                width: 0,
+            };
+            assert!(sample(&batch, out, 1).unwrap().is_empty());
+            assert_eq!(s[0], 77, "{p:?}");
+            assert!(s[2] == 3 || s[2] == 40, "{p:?}");
+            let (plain, _) = run(&logits[vocab..2 * vocab], vocab, &rows[..1], &[], 1);
+            assert_eq!(s[1], plain[0], "the unconstrained row is untouched");
+        }
     }
 }

@@ -1,0 +1,85 @@
+"""The runner's grammar rows (worker/structured.py): the masks filled ahead right
+after a draw, the rows filled afterwards (a request new to sampling, one resumed
+with a fresh matcher) and the order of the step's rows all give each request
+the mask its own matcher allows, as a fresh matcher fed the same tokens does."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from asyncllm import SamplingParams, StructuredOutputsParams
+from asyncllm.core.scheduler_output import NewRequestData
+from asyncllm.default_model import default_model_path
+from asyncllm.grammar_cache import GrammarCache
+from asyncllm.worker.structured import GrammarRows
+
+EOS = 2
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}}
+
+
+def new_request(req_id: int, grammar, outputs: list[int] = ()) -> NewRequestData:
+    prompt = [1, 5, 6]
+    return NewRequestData(
+        req_id=req_id,
+        token_ids=prompt + list(outputs),
+        num_prompt_tokens=len(prompt),
+        sampling_params=SamplingParams(),
+        block_ids=[],
+        num_computed_tokens=0,
+        stop_token_ids=frozenset({EOS}),
+        grammar=grammar,
+    )
+
+
+def expected_mask(cache: GrammarCache, grammar, tokens: list[int]) -> np.ndarray:
+    matcher = grammar.matcher()
+    if tokens:
+        matcher.consume(tokens)
+    out = np.zeros((1, cache.compiler.words), dtype=np.int32)
+    cache.compiler.fill_bitmasks([matcher], out, [0])
+    return out[0]
+
+
+def allowed(mask: np.ndarray, which: int) -> int:
+    """The `which`-th allowed token other than EOS (the last if fewer), or EOS."""
+    bits = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+    others = bits[bits != EOS]
+    return int(others[min(which, len(others) - 1)]) if len(others) else EOS
+
+
+def test_masks_filled_ahead_and_after_are_each_rows_own():
+    cache = GrammarCache(default_model_path() / "tokenizer.json", [EOS], 8192)
+    grammar = cache.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))
+    rows = GrammarRows(cache, max_num_seqs=4)
+    outputs: dict[int, list[int]] = {1: [], 2: []}
+    rows.add(new_request(1, grammar))
+    rows.add(new_request(2, grammar))
+    for step in range(6):
+        req_ids = [2, 7, 1] if step % 2 else [1, 2, 7]  # 7: not constrained
+        masks = rows.bitmask_async(req_ids)
+        assert masks is not None
+        idx, bitmask = masks.result()
+        constrained = [req_ids[i] for i in idx.tolist()]
+        assert constrained == [r for r in req_ids if r != 7]
+        for rid, mask in zip(constrained, bitmask, strict=True):
+            assert np.array_equal(mask, expected_mask(cache, grammar, outputs[rid])), (step, rid)
+        sampled = [0] * len(req_ids)
+        for i, mask in zip(idx.tolist(), bitmask, strict=True):
+            rid = req_ids[i]
+            sampled[i] = allowed(mask, 0 if rid == 1 else 1)  # the two diverge
+            outputs[rid].append(sampled[i])
+        rows.advance(req_ids, sampled, idx)
+        if step == 2:  # a new request joins; request 1 is preempted and resumed
+            rows.add(new_request(3, grammar))
+            outputs[3] = []
+            rows.remove(1)
+            rows.add(new_request(1, grammar, outputs[1]))
+            idx3 = rows.bitmask_async([3, 1, 2])
+            assert idx3 is not None
+            _, bitmask = idx3.result()
+            for rid, mask in zip([3, 1, 2], bitmask, strict=True):
+                assert np.array_equal(mask, expected_mask(cache, grammar, outputs[rid])), rid
+            rows.remove(3)  # finished before it sampled
+    assert rows.bitmask_async([7, 8]) is None
