@@ -13,6 +13,7 @@ import time
 import pytest
 
 from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
+from engine_streams import stream_length
 from server_process import Server, get_text
 from tiny_models import make_tiny_model
 
@@ -43,13 +44,6 @@ def test_two_cores_give_one_cores_outputs(model_dir, params):
     assert outputs[2] == outputs[1]
 
 
-async def _stream(engine: AsyncLLM, prompt: list[int], rid: str, params: SamplingParams) -> int:
-    n = 0
-    async for out in engine.generate({"prompt_token_ids": prompt}, params, rid):
-        n = len(out.outputs[0].token_ids)
-    return n
-
-
 def test_requests_spread_and_abort_reaches_the_owner(model_dir):
     args = EngineArgs(model=str(model_dir), executor="null", data_parallel_size=2)
 
@@ -58,7 +52,7 @@ def test_requests_spread_and_abort_reaches_the_owner(model_dir):
         try:
             params = SamplingParams(max_tokens=4, ignore_eos=True)
             counts = await asyncio.gather(
-                *(_stream(engine, [3 + i % 50, 7], f"r{i}", params) for i in range(256))
+                *(stream_length(engine, [3 + i % 50, 7], f"r{i}", params) for i in range(256))
             )
             assert counts == [4] * 256
             stats = await engine.get_stats()
@@ -99,7 +93,8 @@ def test_one_core_killed_fails_every_waiting_request_fast(model_dir):
         try:
             long = SamplingParams(max_tokens=100_000, ignore_eos=True)
             tasks = [
-                asyncio.create_task(_stream(engine, [5 + i, 6], f"k{i}", long)) for i in range(8)
+                asyncio.create_task(stream_length(engine, [5 + i, 6], f"k{i}", long))
+                for i in range(8)
             ]
             await asyncio.sleep(0.5)
             victim = engine.client.clients[1].process

@@ -23,6 +23,7 @@ import zmq
 from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams, _core
 from asyncllm.errors import EngineStartupError
 from asyncllm.models.hf_config import load_hf_config
+from engine_streams import alive, stream_length
 from tiny_models import make_tiny_model
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'asyncllm[ray]'")
@@ -85,61 +86,53 @@ def _assert_nothing_left() -> None:
     assert _live_actors() == [] and _live_groups() == []
 
 
+def _token_ids(model_dir, params, while_running=None, **engine_kw) -> list[list[int]]:
+    """PROMPTS' output ids from an `LLM` built with `engine_kw`; `while_running` is
+    called before the engine shuts down."""
+    with LLM(str(model_dir), dtype="float32", max_model_len=128, **engine_kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        if while_running is not None:
+            while_running()
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def test_ray_placed_cores_give_local_cores_outputs(model_dir, ray_cluster):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
-    outputs = {}
-    for backend in ("mp", "ray"):
-        with LLM(
-            str(model_dir),
-            dtype="float32",
-            max_model_len=128,
+    outputs = {
+        backend: _token_ids(
+            model_dir,
+            params,
             data_parallel_size=2,
             data_parallel_backend=backend,
             data_parallel_address="127.0.0.1",
-        ) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        outputs[backend] = [o.outputs[0].token_ids for o in outs]
+        )
+        for backend in ("mp", "ray")
+    }
     assert outputs["ray"] == outputs["mp"]
     _assert_nothing_left()
 
 
 def test_tensor_parallel_ranks_on_two_nodes_give_multiprocess_tokens(model_dir, ray_cluster):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outputs = {}
-    for backend in ("mp", "ray"):
-        with LLM(
-            str(model_dir),
-            dtype="float32",
-            max_model_len=128,
+
+    def one_rank_per_node() -> None:  # one bundle (rank) per node: one CPU each
+        (group,) = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert group["name"].startswith("asyncllm-tp-")
+        nodes = group["bundles_to_node_id"]
+        assert len(nodes) == 2 and nodes[0] != nodes[1], nodes
+
+    outputs = {
+        backend: _token_ids(
+            model_dir,
+            params,
             tensor_parallel_size=2,
             distributed_executor_backend=backend,
-        ) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-            if backend == "ray":  # one bundle (rank) per node: one CPU each
-                (group,) = [
-                    g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"
-                ]
-                assert group["name"].startswith("asyncllm-tp-")
-                nodes = group["bundles_to_node_id"]
-                assert len(nodes) == 2 and nodes[0] != nodes[1], nodes
-        outputs[backend] = [o.outputs[0].token_ids for o in outs]
+            while_running=one_rank_per_node if backend == "ray" else None,
+        )
+        for backend in ("mp", "ray")
+    }
     assert outputs["ray"] == outputs["mp"]
     _assert_nothing_left()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-async def _count(engine: AsyncLLM, prompt: list[int], rid: str, params: SamplingParams) -> int:
-    n = 0
-    async for out in engine.generate({"prompt_token_ids": prompt}, params, rid):
-        n = len(out.outputs[0].token_ids)
-    return n
 
 
 def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
@@ -158,7 +151,8 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
         engine = AsyncLLM.from_engine_args(args)
         try:
             tasks = [
-                asyncio.create_task(_count(engine, [5 + i, 6, 7], f"k{i}", long)) for i in range(4)
+                asyncio.create_task(stream_length(engine, [5 + i, 6, 7], f"k{i}", long))
+                for i in range(4)
             ]
             await asyncio.sleep(1.0)
             (worker,) = [a for a in _live_actors() if a["ActorClassName"] == "WorkerSupervisor"]
@@ -176,9 +170,9 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
             assert "Ray actor" in str(results[0])
             assert not engine.is_running
             deadline = time.monotonic() + 5
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert not _alive(pid), "a worker outlived its Ray actor"
+            assert not alive(pid), "a worker outlived its Ray actor"
         finally:
             engine.shutdown()
 
@@ -236,11 +230,11 @@ def test_only_the_cores_key_gets_in_and_a_killed_core_is_the_engines_death(model
                 sock.send(_core.encode_engine_error("forged"), flags=zmq.NOBLOCK)
             await asyncio.sleep(1.0)
             params = SamplingParams(max_tokens=4, ignore_eos=True)
-            assert await _count(engine, [3, 4, 5], "after", params) == 4
+            assert await stream_length(engine, [3, 4, 5], "after", params) == 4
             assert engine.is_running
 
             long = SamplingParams(max_tokens=100_000, ignore_eos=True)
-            task = asyncio.create_task(_count(engine, [7, 8], "long", long))
+            task = asyncio.create_task(stream_length(engine, [7, 8], "long", long))
             await asyncio.sleep(0.3)
             os.kill(process.pid, signal.SIGKILL)
             t0 = time.monotonic()

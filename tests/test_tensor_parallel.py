@@ -18,6 +18,7 @@ import torch
 from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from asyncllm.errors import ConfigError, EngineStartupError, ModelLoadError
 from asyncllm.models.hf_config import load_hf_config
+from engine_streams import alive, stream_length
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -124,25 +125,12 @@ def _workers(pid: int) -> list[int]:
     found = []
     for kid in kids:
         with open(f"/proc/{kid}/cmdline", "rb") as f:
-            if b"asyncllm.executor.worker_proc" in f.read() and _alive(kid):
+            if b"asyncllm.executor.worker_proc" in f.read() and alive(kid):
                 found.append(kid)
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped while reading
-        return False
-
-
-async def _stream(engine: AsyncLLM, prompt: list[int], rid: str) -> int:
-    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
-    n = 0
-    async for out in engine.generate({"prompt_token_ids": prompt}, params, rid):
-        n = len(out.outputs[0].token_ids)
-    return n
+LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +152,10 @@ def test_a_dead_rank_is_a_dead_engine_and_no_worker_outlives_the_core(llama_dir,
         process = engine.client.process
         core_pid = os.getpid() if process is None else process.pid
         try:
-            tasks = [asyncio.create_task(_stream(engine, [5 + i, 6, 7], f"k{i}")) for i in range(4)]
+            tasks = [
+                asyncio.create_task(stream_length(engine, [5 + i, 6, 7], f"k{i}", LONG))
+                for i in range(4)
+            ]
             await asyncio.sleep(1.0)
             workers = _workers(core_pid)
             assert len(workers) == 1, workers
@@ -184,9 +175,9 @@ def test_a_dead_rank_is_a_dead_engine_and_no_worker_outlives_the_core(llama_dir,
                 assert "tensor-parallel rank 1" in str(results[0])
                 assert ("SIGKILL" if victim == "worker" else "no heartbeat") in str(results[0])
             deadline = time.monotonic() + 5
-            while _alive(workers[0]) and time.monotonic() < deadline:
+            while alive(workers[0]) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert not _alive(workers[0]), "a worker outlived its engine core"
+            assert not alive(workers[0]), "a worker outlived its engine core"
         finally:
             engine.shutdown()
 
