@@ -2,7 +2,7 @@
 xgrammar computing the same kind of masks, and what constraints cost a whole
 engine.
 
-    python benches/bench_structured.py [--steps 64] [--repeats 5] [--quick]
+    python benches/bench_structured.py [--steps 64] [--repeats 5] [--pairs 10] [--quick]
 
 1. Masks alone (the llama-2 tokenizer, vocabulary 32,000): 64 and 256 streams,
    all one JSON schema or the 30 test schemas mixed; per step one batched fill of
@@ -13,9 +13,10 @@ engine.
    median over steps of the fill, in µs per step, and of the advance.
 2. The engine (the micro model, benches/models.py): tokens/s of 64 streams under
    a JSON schema that runs to max_tokens against 64 unconstrained streams, in
-   alternating pairs, and the time the runner's helper thread spends per step on
-   the last step's advance and the next step's masks (filled ahead, right after
-   the draw).
+   alternating pairs (per pair, and the median decode step over all pairs: a
+   pair lasts about a second, and this box's noise moves single pairs by ±15 %),
+   and the time the extension's grammar thread spends per step on the last
+   step's advance and the next step's masks (filled ahead, right after the draw).
 3. Compile time of the 30 test schemas (p50, p99), fresh compiler cache.
 """
 
@@ -150,18 +151,24 @@ def compile_times(tokenizer_json: Path) -> None:
 
 def engine(args, model: Path) -> None:
     from asyncllm import LLM, SamplingParams, StructuredOutputsParams
+    from asyncllm.engine import core
     from asyncllm.worker import structured
 
-    spent: list[float] = []
-    original = structured.GrammarRows._advance_fill
+    spent: list[float] = []  # each mask job's run on the grammar thread
+    steps: list[float] = []  # when each engine step began
+    result, step = structured.StepMasks.result, core.EngineCore.step
 
-    def timed(self, *a):
-        t0 = time.perf_counter()
-        r = original(self, *a)
-        spent.append(time.perf_counter() - t0)
-        return r
+    def timed_result(self):
+        out = result(self)
+        spent.extend(job.run_seconds for job in self._jobs)
+        return out
 
-    structured.GrammarRows._advance_fill = timed  # type: ignore[method-assign]
+    def timed_step(self):
+        steps.append(time.perf_counter())
+        return step(self)
+
+    structured.StepMasks.result = timed_result  # type: ignore[method-assign]
+    core.EngineCore.step = timed_step  # type: ignore[method-assign]
     n, max_tokens = 64, 16 if args.quick else 64
     # runs to max_tokens: an array of many small integers
     long_schema = {
@@ -172,12 +179,13 @@ def engine(args, model: Path) -> None:
     so = StructuredOutputsParams(json=long_schema)
     prompts = [f"Numbers {i}:" for i in range(n)]
     rates: dict[str, list[float]] = {"unconstrained": [], "json schema": []}
+    intervals: dict[str, list[float]] = {"unconstrained": [], "json schema": []}
     # One pair first, not counted: it compiles the schema and warms the caches that
     # every later request finds warm (compile time has its own row above).
     rounds = [("warm-up", None), ("warm-up", so)] + [
         ("unconstrained", None),
         ("json schema", so),
-    ] * args.repeats
+    ] * args.pairs
     with LLM(str(model), multiprocess=False, max_num_seqs=n) as llm:
         for label, s in rounds:
             params = [
@@ -185,18 +193,21 @@ def engine(args, model: Path) -> None:
                 for i in range(n)
             ]
             spent.clear()
+            steps.clear()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t0
             toks = sum(len(o.outputs[0].token_ids) for o in outs)
             mask = (
-                f", advance + mask fill {statistics.median(spent) * 1e6:.0f} µs/step"
+                f", grammar thread (advance + fill) {statistics.median(spent) * 1e6:.0f} µs/step"
                 if spent
                 else ""
             )
             if label == "warm-up":
                 continue
             rates[label].append(toks / dt)
+            # decode steps only: the first two admit the prompts
+            intervals[label] += [b - a for a, b in zip(steps[2:-1], steps[3:], strict=True)]
             print(f"engine {label:>14}: {toks / dt:8.0f} tok/s ({toks} tokens, {dt:.2f} s){mask}")
     ratios = [c / u for u, c in zip(rates["unconstrained"], rates["json schema"], strict=True)]
     print(
@@ -204,16 +215,22 @@ def engine(args, model: Path) -> None:
         + ", ".join(f"{r:.2f}" for r in ratios)
         + f" (median {statistics.median(ratios):.2f})"
     )
+    u, c = (statistics.median(intervals[k]) * 1e3 for k in ("unconstrained", "json schema"))
+    print(
+        f"engine decode step, median over every pair: unconstrained {u:.2f} ms, json schema"
+        f" {c:.2f} ms (ratio {u / c:.2f})"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each mask row")
+    ap.add_argument("--pairs", type=int, default=10, help="engine runs of each kind, alternated")
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.repeats = 8, 1
+        args.steps, args.repeats, args.pairs = 8, 1, 1
     tokenizer_json = ASSETS / "tokenizers" / "llama-2" / "tokenizer.json"
     if not tokenizer_json.is_file():
         reason = f"tokenizer assets not found at {tokenizer_json} (set ASYNCLLM_ASSETS)"

@@ -83,3 +83,68 @@ def test_masks_filled_ahead_and_after_are_each_rows_own():
                 assert np.array_equal(mask, expected_mask(cache, grammar, outputs[rid])), rid
             rows.remove(3)  # finished before it sampled
     assert rows.bitmask_async([7, 8]) is None
+
+
+def test_jobs_run_in_order_off_the_callers_thread_and_equal_the_calls_they_replace():
+    """`advance_fill` queues the advance and the fill on the extension's grammar
+    thread and returns at once: its masks equal `advance` then `fill_bitmasks`,
+    a fill queued after an advance sees the advanced matcher, and the job's
+    errors reach `wait()`."""
+    cache = GrammarCache(default_model_path() / "tokenizer.json", [EOS], 8192)
+    compiler = cache.compiler
+    grammar = cache.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))
+    ours = [grammar.matcher() for _ in range(3)]
+    theirs = [grammar.matcher() for _ in range(3)]
+    out = np.zeros((6, compiler.words), dtype=np.int32)
+    want = np.zeros((3, compiler.words), dtype=np.int32)
+    compiler.fill_bitmasks(theirs, want, [0, 1, 2])
+    first = compiler.advance_fill([], [], ours, out, [0, 1, 2])
+    assert first.wait() == []
+    assert np.array_equal(out[:3], want)
+    for step in range(5):
+        tokens = [allowed(want[i], i + step) for i in range(3)]
+        compiler.advance(theirs, tokens)
+        compiler.fill_bitmasks(theirs, want, [0, 1, 2])
+        # the advance-and-fill, then a second fill of the same matchers queued behind it
+        job = compiler.advance_fill(ours, tokens, ours, out, [2, 0, 4])
+        again = compiler.advance_fill([], [], ours, out, [1, 3, 5])
+        assert again.wait() == [] and job.wait() == []
+        assert job.run_seconds >= 0.0
+        assert np.array_equal(out[[2, 0, 4]], want), step
+        assert np.array_equal(out[[1, 3, 5]], want), step
+    # a matcher listed twice cannot be locked twice: the job fails, loudly
+    twice = compiler.advance_fill([], [], [ours[0], ours[0]], out, [0, 1])
+    try:
+        twice.wait()
+        raise AssertionError("a matcher listed twice must fail the job")
+    except RuntimeError as e:
+        assert "listed twice" in str(e)
+    # bad rows fail at once, naming the problem, and queue nothing
+    for rows, message in (([0, 0, 1], "listed twice"), ([0, 1, 6], "out of range")):
+        try:
+            compiler.advance_fill([], [], ours, out, rows)
+            raise AssertionError("bad rows must raise")
+        except ValueError as e:
+            assert message in str(e)
+    try:
+        compiler.advance_fill(ours, [1], ours, out, [0, 1, 2])
+        raise AssertionError("one token per matcher to advance")
+    except ValueError as e:
+        assert "3 matchers to advance but 1 tokens" in str(e)
+
+
+def test_a_job_dropped_unwaited_keeps_its_array_until_it_ends():
+    """The job writes into the caller's array from its own thread: dropping both
+    before it ends must neither crash nor write into freed memory (the job holds
+    the array; dropping it waits)."""
+    cache = GrammarCache(default_model_path() / "tokenizer.json", [EOS], 8192)
+    grammar = cache.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))
+    for _ in range(50):
+        ms = [grammar.matcher() for _ in range(16)]
+        out = np.zeros((16, cache.compiler.words), dtype=np.int32)
+        job = cache.compiler.advance_fill([], [], ms, out, list(range(16)))
+        del out, job
+    # the grammar thread still serves after all that
+    out = np.zeros((1, cache.compiler.words), dtype=np.int32)
+    assert cache.compiler.advance_fill([], [], [grammar.matcher()], out, [0]).wait() == []
+    assert out.any()

@@ -581,3 +581,28 @@ class GrammarCompiler:
         the indices of matchers in error (their rows allow EOS only)."""
     def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bytes:
         """Advances matchers[i] by tokens[i]; per matcher a GRAMMAR_* status (a byte)."""
+    def advance_fill(
+        self,
+        advance: list[GrammarMatcher],
+        tokens: list[int],
+        fill: list[GrammarMatcher],
+        out: _Buffer,
+        rows: list[int],
+        threads: int = 1,
+    ) -> MaskJob:
+        """Queues on the extension's grammar thread the advance of advance[i] by
+        tokens[i], then the fill of fill[i]'s mask into row rows[i] of `out` (as
+        `fill_bitmasks`), and returns at once; jobs run in the order queued. The
+        caller leaves those rows of `out` alone until the job is waited for."""
+
+@final
+class MaskJob:
+    """A queued `advance_fill`; it holds `out` until it has ended, and dropping it
+    unfinished waits for it."""
+
+    def wait(self) -> list[int]:
+        """Waits with the GIL released; the indices of the fills in error, or
+        RuntimeError with why the job failed."""
+    @property
+    def run_seconds(self) -> float:
+        """Seconds the job ran on the grammar thread (waits for it first)."""

@@ -5,6 +5,7 @@ mod codec;
 mod detok;
 mod errors;
 mod kernels;
+mod mask_job;
 mod prefix_hash;
 mod sampler;
 mod structured;

@@ -6,14 +6,18 @@
 //! A matcher's state sits behind a mutex that is only taken with the GIL
 //! released; a batched call takes each with `try_lock`, so a matcher listed
 //! twice, or in use by another thread, is an error rather than a deadlock.
+//! `advance_fill` runs the step's advance and fill on the extension's own
+//! thread (`mask_job`) and returns at once.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
 use super::kernels::{buffer, data_ptr};
+use super::mask_job::{MaskJob, SerialWorker};
 use crate::structured::{self, Compiler, Status, TrackedMatcher};
 
 fn value_err(e: impl ToString) -> PyErr {
@@ -28,6 +32,8 @@ pub struct GrammarCompiler {
     eos_row: Arc<Vec<u32>>,
     // the fill's own threads, built on the first call that asks for more than one
     pool: Mutex<Option<Arc<ThreadPool>>>,
+    // runs `advance_fill` jobs in order
+    worker: SerialWorker,
 }
 
 /// A compiled constraint, shared by every request with the same one.
@@ -40,34 +46,111 @@ pub struct Grammar {
 /// One request's walk through a grammar.
 #[pyclass(frozen, module = "asyncllm._core")]
 pub struct GrammarMatcher {
-    inner: Mutex<TrackedMatcher>,
+    // shared with the jobs that advance or fill it (`advance_fill`)
+    inner: Arc<Mutex<TrackedMatcher>>,
 }
 
-fn lock_all<'a>(
-    matchers: &'a [&'a GrammarMatcher],
-) -> PyResult<Vec<MutexGuard<'a, TrackedMatcher>>> {
+type Shared = Arc<Mutex<TrackedMatcher>>;
+
+/// Every matcher's lock, or why not: plain text, as this runs without the GIL
+/// (on the grammar worker too, where building a Python error could wait for it).
+fn lock_all(matchers: &[Shared]) -> Result<Vec<MutexGuard<'_, TrackedMatcher>>, String> {
     matchers
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            m.inner.try_lock().map_err(|_| {
-                PyRuntimeError::new_err(format!(
-                    "matcher {i} is in use (listed twice, or by another thread)"
-                ))
-            })
+            m.try_lock()
+                .map_err(|_| format!("matcher {i} is in use (listed twice, or by another thread)"))
         })
         .collect()
 }
 
-fn matcher_refs<'a>(list: &'a [Bound<'_, GrammarMatcher>]) -> Vec<&'a GrammarMatcher> {
-    // `get` on a frozen pyclass: a shared reference, valid while `list` is held
-    list.iter().map(|b| b.get()).collect()
+fn matcher_refs(list: &[Bound<'_, GrammarMatcher>]) -> Vec<Shared> {
+    // `get` on a frozen pyclass: no borrow flag to take
+    list.iter().map(|b| b.get().inner.clone()).collect()
+}
+
+/// Advances `draw[i]` by `tokens[i]`, then fills `dest[i]` with the mask of
+/// `fill[i]`; the indices of the fills that failed.
+fn advance_then_fill(
+    draw: &[Shared],
+    tokens: &[u32],
+    fill: &[Shared],
+    mut dest: Vec<&mut [u32]>,
+    eos_row: &[u32],
+    pool: Option<&ThreadPool>,
+) -> Result<Vec<usize>, String> {
+    if !draw.is_empty() {
+        let mut guards = lock_all(draw)?;
+        let mut ms: Vec<&mut TrackedMatcher> = guards.iter_mut().map(|g| &mut **g).collect();
+        structured::advance(&mut ms, tokens);
+    }
+    let mut guards = lock_all(fill)?;
+    let mut ms: Vec<&mut TrackedMatcher> = guards.iter_mut().map(|g| &mut **g).collect();
+    let failed = structured::fill_masks(&mut ms, &mut dest, eos_row, pool);
+    Ok(failed
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &f)| f.then_some(i))
+        .collect())
+}
+
+/// The rows of `all` (`words` u32 each) listed in `rows`, in that order.
+/// `rows` were checked distinct and in range (`check_rows`).
+fn row_slices<'a>(all: &'a mut [u32], words: usize, rows: &[usize]) -> Vec<&'a mut [u32]> {
+    let mut chunks: Vec<Option<&mut [u32]>> = all.chunks_mut(words).map(Some).collect();
+    rows.iter()
+        .map(|&r| chunks[r].take().expect("rows are distinct"))
+        .collect()
 }
 
 /// The most threads `fill_bitmasks` may be asked for.
 const MAX_FILL_THREADS: usize = 256;
 
 impl GrammarCompiler {
+    /// The pool for a fill on `threads` threads; None for 1 (the calling thread).
+    fn fill_pool(&self, threads: usize) -> PyResult<Option<Arc<ThreadPool>>> {
+        if !(1..=MAX_FILL_THREADS).contains(&threads) {
+            return Err(value_err(format!(
+                "threads must be in 1..={MAX_FILL_THREADS}, got {threads}"
+            )));
+        }
+        if threads == 1 {
+            return Ok(None);
+        }
+        self.pool(threads).map(Some)
+    }
+
+    /// `out` as a writable int32 `[N, words]` buffer, after checking that `rows`
+    /// are `n` distinct rows of it.
+    fn target(&self, out: &Bound<'_, PyAny>, rows: &[usize], n: usize) -> PyResult<PyBuffer<i32>> {
+        let words = self.inner.words();
+        let buf = buffer::<i32>(out, "out", "int32", 2)?;
+        if buf.readonly() {
+            return Err(value_err("out must be writable"));
+        }
+        let shape = buf.shape().to_vec();
+        if shape[1] != words {
+            return Err(value_err(format!(
+                "out has {} words per row; this vocabulary needs {words}",
+                shape[1]
+            )));
+        }
+        if rows.len() != n {
+            return Err(value_err(format!("{n} matchers but {} rows", rows.len())));
+        }
+        let mut seen = vec![false; shape[0]];
+        for &r in rows {
+            if r >= shape[0] || std::mem::replace(&mut seen[r], true) {
+                return Err(value_err(format!(
+                    "row {r} is out of range or listed twice (out has {} rows)",
+                    shape[0]
+                )));
+            }
+        }
+        Ok(buf)
+    }
+
     /// The fill's pool of `threads` threads (rebuilt if asked for another size).
     fn pool(&self, threads: usize) -> PyResult<Arc<ThreadPool>> {
         let mut slot = self
@@ -109,6 +192,7 @@ impl GrammarCompiler {
             inner: Arc::new(inner),
             eos_row,
             pool: Mutex::new(None),
+            worker: SerialWorker::new("grammar-masks"),
         })
     }
 
@@ -157,70 +241,76 @@ impl GrammarCompiler {
         rows: Vec<usize>,
         threads: usize,
     ) -> PyResult<Vec<usize>> {
-        if !(1..=MAX_FILL_THREADS).contains(&threads) {
-            return Err(value_err(format!(
-                "threads must be in 1..={MAX_FILL_THREADS}, got {threads}"
-            )));
-        }
-        let pool = if threads > 1 {
-            Some(self.pool(threads)?)
-        } else {
-            None
-        };
-        let words = self.inner.words();
-        let buf = buffer::<i32>(out, "out", "int32", 2)?;
-        if buf.readonly() {
-            return Err(value_err("out must be writable"));
-        }
-        let shape = buf.shape().to_vec();
-        if shape[1] != words {
-            return Err(value_err(format!(
-                "out has {} words per row; this vocabulary needs {words}",
-                shape[1]
-            )));
-        }
-        if rows.len() != matchers.len() {
-            return Err(value_err(format!(
-                "{} matchers but {} rows",
-                matchers.len(),
-                rows.len()
-            )));
-        }
-        let mut seen = vec![false; shape[0]];
-        for &r in &rows {
-            if r >= shape[0] || std::mem::replace(&mut seen[r], true) {
-                return Err(value_err(format!(
-                    "row {r} is out of range or listed twice (out has {} rows)",
-                    shape[0]
-                )));
-            }
-        }
+        let pool = self.fill_pool(threads)?;
+        let target = self.target(out, &rows, matchers.len())?;
         let refs = matcher_refs(&matchers);
-        let ptr = data_ptr(&buf) as usize;
-        let len = shape[0] * words;
+        let (ptr, len, words) = (
+            data_ptr(&target) as usize,
+            target.item_count(),
+            self.inner.words(),
+        );
         let eos_row = self.eos_row.clone();
         py.detach(move || {
-            // SAFETY: `buf` (held by this frame until after `detach` returns) keeps
-            // the exporter's memory alive and in place; it is C-contiguous int32
-            // of `len` elements (checked above), writable, and u32 has i32's size
-            // and alignment. The caller's contract: no other thread touches `out`
-            // during the call. Rows are distinct (checked), so the row slices
-            // below never alias.
+            // SAFETY: `target` (held by this frame until after `detach` returns)
+            // keeps the exporter's memory alive and in place; it is C-contiguous
+            // int32 of `len` elements, writable (`target` checked both), and u32
+            // has i32's size and alignment. The caller's contract: no other thread
+            // touches `out` during the call. Rows are distinct (checked), so the
+            // row slices never alias.
             let all: &mut [u32] = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u32, len) };
-            let mut chunks: Vec<Option<&mut [u32]>> = all.chunks_mut(words).map(Some).collect();
-            let mut dest: Vec<&mut [u32]> = rows
-                .iter()
-                .map(|&r| chunks[r].take().expect("rows are distinct"))
-                .collect();
-            let mut guards = lock_all(&refs)?;
-            let mut ms: Vec<&mut TrackedMatcher> = guards.iter_mut().map(|g| &mut **g).collect();
-            let failed = structured::fill_masks(&mut ms, &mut dest, &eos_row, pool.as_deref());
-            Ok(failed
-                .iter()
-                .enumerate()
-                .filter_map(|(i, &f)| f.then_some(i))
-                .collect())
+            let dest = row_slices(all, words, &rows);
+            advance_then_fill(&[], &[], &refs, dest, &eos_row, pool.as_deref())
         })
+        .map_err(PyRuntimeError::new_err)
+    }
+
+    /// Queues, on the extension's own thread, the advance of `advance[i]` by
+    /// `tokens[i]` and then the fill of `fill[i]`'s mask into row `rows[i]` of
+    /// `out` (as `fill_bitmasks`), and returns at once: the runner hands over a
+    /// draw and goes on while the next masks are computed. Jobs run in the order
+    /// they were queued. `MaskJob.wait()` gives the failed fills' indices.
+    ///
+    /// The caller leaves `out`'s rows `rows` alone until the job is waited for.
+    #[pyo3(signature = (advance, tokens, fill, out, rows, threads = 1))]
+    #[allow(clippy::too_many_arguments)]
+    fn advance_fill(
+        &self,
+        advance: Vec<Bound<'_, GrammarMatcher>>,
+        tokens: Vec<u32>,
+        fill: Vec<Bound<'_, GrammarMatcher>>,
+        out: &Bound<'_, PyAny>,
+        rows: Vec<usize>,
+        threads: usize,
+    ) -> PyResult<MaskJob> {
+        if tokens.len() != advance.len() {
+            return Err(value_err(format!(
+                "{} matchers to advance but {} tokens",
+                advance.len(),
+                tokens.len()
+            )));
+        }
+        let pool = self.fill_pool(threads)?;
+        let target = self.target(out, &rows, fill.len())?;
+        let (draw, refs) = (matcher_refs(&advance), matcher_refs(&fill));
+        let (ptr, len, words) = (
+            data_ptr(&target) as usize,
+            target.item_count(),
+            self.inner.words(),
+        );
+        let eos_row = self.eos_row.clone();
+        let result = self.worker.submit(move || {
+            // SAFETY: the `MaskJob` returned below holds `target` until this job
+            // has ended (dropping an unfinished job waits for it), so the
+            // exporter's memory stays alive and in place throughout; it is
+            // C-contiguous int32 of `len` elements, writable (checked), and u32
+            // has i32's size and alignment. The caller's contract: nothing else
+            // touches rows `rows` of `out` until the job is waited for. Rows are
+            // distinct (checked), so the row slices never alias.
+            let all: &mut [u32] = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u32, len) };
+            let dest = row_slices(all, words, &rows);
+            advance_then_fill(&draw, &tokens, &refs, dest, &eos_row, pool.as_deref())
+        })?;
+        Ok(MaskJob::new(result, target))
     }
 
     /// Advances `matchers[i]` by `tokens[i]` with the GIL released. Returns
@@ -242,11 +332,14 @@ impl GrammarCompiler {
         py.detach(move || {
             let mut guards = lock_all(&refs)?;
             let mut ms: Vec<&mut TrackedMatcher> = guards.iter_mut().map(|g| &mut **g).collect();
-            Ok(structured::advance(&mut ms, &tokens)
-                .into_iter()
-                .map(|s| s as u8)
-                .collect())
+            Ok::<Vec<u8>, String>(
+                structured::advance(&mut ms, &tokens)
+                    .into_iter()
+                    .map(|s| s as u8)
+                    .collect(),
+            )
         })
+        .map_err(PyRuntimeError::new_err)
     }
 }
 
@@ -255,7 +348,7 @@ impl Grammar {
     /// A fresh matcher at the start of this grammar.
     fn matcher(&self) -> GrammarMatcher {
         GrammarMatcher {
-            inner: Mutex::new(self.inner.matcher()),
+            inner: Arc::new(Mutex::new(self.inner.matcher())),
         }
     }
 
@@ -313,6 +406,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GrammarCompiler>()?;
     m.add_class::<Grammar>()?;
     m.add_class::<GrammarMatcher>()?;
+    m.add_class::<MaskJob>()?;
     m.add("GRAMMAR_RUNNING", Status::Running as u8)?;
     m.add("GRAMMAR_COMPLETE", Status::Complete as u8)?;
     m.add("GRAMMAR_ERROR", Status::Error as u8)?;

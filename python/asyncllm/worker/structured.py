@@ -4,15 +4,18 @@ allowed-token bitmask for the constrained rows being sampled (one Rust call, the
 GIL released; rows whose matchers are in the same state share one mask), and the
 advance of every matcher by its sampled token.
 
-Right after a step's draw the runner hands the sampled tokens to a helper thread,
-which advances those matchers and at once fills their next masks: the next step
-most likely samples the same requests, so their masks are computed while the
-engine handles this step's outputs, schedules the next and runs its forward pass
-(the fill releases the GIL). The runner waits for them just before sampling;
-rows the fill ahead did not cover (a request new to sampling, or resumed with a
-fresh matcher) are filled on the helper thread after it, beside the forward pass.
-The mask of step N+1 always follows the token of step N: the helper runs its
-tasks in order, and nothing else touches a matcher meanwhile.
+Right after a step's draw the runner hands the sampled tokens to the extension's
+grammar thread (`GrammarCompiler.advance_fill`), which advances those matchers and
+at once fills their next masks: the next step most likely samples the same
+requests, so their masks are computed while the engine handles this step's
+outputs and schedules the next, on the core that torch's threads leave idle
+between two forward passes. That thread never takes the GIL: a Python helper
+thread had to wait for it to start and between the advance and the fill, and its
+fill slid into the forward pass. The runner waits for the masks just before
+sampling; rows the fill ahead did not cover (a request new to sampling, or resumed
+with a fresh matcher) are filled by a job queued after it. The mask of step N+1
+always follows the token of step N: the grammar thread runs its jobs in order, and
+nothing else touches a matcher meanwhile.
 
 Where to fill was measured on a 2-core box (benches/RESULTS.md, "constrained
 decoding within 10 %"): ahead of the step as here, then beside the forward pass,
@@ -29,7 +32,6 @@ that consumes the outputs it already has, so nothing is consumed twice.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,13 +43,10 @@ from asyncllm.grammar_cache import GrammarCache
 if TYPE_CHECKING:  # torch: imported by the runner, not by the core that owns the rows
     from asyncllm.worker.sampling_metadata import SamplingMetadata
 
-# (matchers, tokens): one step's draw, not yet consumed by its matchers
-_Advance = tuple[list[_core.GrammarMatcher], list[int]]
-
 
 def fill_threads() -> int:
     """Threads for the mask fill: the cores torch's own threads leave free, at
-    least one (the helper thread itself, serially)."""
+    least one (the grammar thread itself, serially)."""
     import torch  # loaded already: only a model runner fills masks
 
     return max(1, (os.cpu_count() or 1) - torch.get_num_threads())
@@ -60,26 +59,26 @@ class StepMasks:
 
     def __init__(
         self,
-        futures: list[Future[None]],
+        jobs: list[_core.MaskJob],
         idx: list[int],
         buf: np.ndarray,
         gather: np.ndarray | None,
     ) -> None:
-        self._futures = futures
+        self._jobs = jobs
         self._idx = idx
         self._buf = buf
         self._gather = gather  # buffer row of each constrained row; None: 0..m-1
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        for f in self._futures:
-            f.result()
+        for job in self._jobs:
+            job.wait()
         m = len(self._idx)
         bitmask = self._buf[:m] if self._gather is None else self._buf[self._gather]
         return np.asarray(self._idx, dtype=np.int64), bitmask
 
 
 # (buffer row of each request filled ahead, its matcher then, the fill)
-_Ahead = tuple[dict[int, int], list[_core.GrammarMatcher], Future[None]]
+_Ahead = tuple[dict[int, int], list[_core.GrammarMatcher], _core.MaskJob]
 
 
 class GrammarRows:
@@ -90,7 +89,6 @@ class GrammarRows:
         self.threads = fill_threads()
         # [2 * max_num_seqs, words] int32, reused: rows filled ahead, then the rest
         self._buf: np.ndarray | None = None
-        self._pool: ThreadPoolExecutor | None = None  # the helper thread
         self._ahead: _Ahead | None = None
 
     def add(self, new: NewRequestData) -> None:
@@ -103,27 +101,27 @@ class GrammarRows:
         self.matchers[new.req_id] = matcher
 
     def remove(self, req_id: int) -> None:
-        # a fill ahead that holds its matcher still runs, harmlessly: nothing reads it
+        # a job that holds its matcher still runs, harmlessly: nothing reads it
         self.matchers.pop(req_id, None)
 
     def bitmask_async(self, req_ids: list[int]) -> StepMasks | None:
         """The masks of the constrained rows among `req_ids` (the step's sampled
         requests, in order); None when none is constrained. Rows filled ahead
         (`advance`) are taken as they are; the rest (a request new to sampling,
-        or resumed with a fresh matcher) are filled on the helper thread, after
-        the fill ahead, while the forward pass runs."""
+        or resumed with a fresh matcher) are filled by a job queued after the
+        fill ahead, while the forward pass runs."""
         matchers = self.matchers
         idx = [i for i, rid in enumerate(req_ids) if rid in matchers]
         if not idx:
             return None
         buf = self._buffer()
         ahead, self._ahead = self._ahead, None
-        futures: list[Future[None]] = []
+        jobs: list[_core.MaskJob] = []
         src = [-1] * len(idx)
         base = 0
         if ahead is not None:
-            where, filled, future = ahead
-            futures.append(future)
+            where, filled, job = ahead
+            jobs.append(job)
             base = len(filled)
             for j, i in enumerate(idx):
                 k = where.get(req_ids[i], -1)
@@ -135,51 +133,32 @@ class GrammarRows:
                 src[j] = base + n
             ms = [matchers[req_ids[idx[j]]] for j in missing]
             rows = list(range(base, base + len(missing)))
-            # one helper thread runs its tasks in order: this one after the fill ahead
-            futures.append(self._executor().submit(self._advance_fill, [], ms, buf, rows))
+            # the grammar thread runs its jobs in order: this one after the fill ahead
+            compiler = self.cache.compiler
+            jobs.append(compiler.advance_fill([], [], ms, buf, rows, self.threads))
         gather = None if src == list(range(len(src))) else np.asarray(src, dtype=np.int64)
-        return StepMasks(futures, idx, buf, gather)
+        return StepMasks(jobs, idx, buf, gather)
 
     def advance(self, req_ids: list[int], sampled: list[int], rows: np.ndarray) -> None:
         """Each constrained row's sampled token (`rows`: the indices `bitmask_async`
-        gave). The helper thread advances those matchers at once and fills their
+        gave). The grammar thread advances those matchers at once and fills their
         next masks, as the next step most likely samples the same requests: the
-        fill starts while the engine handles this step's outputs and schedules
-        the next, and goes on beside the next forward pass."""
+        fill runs while the engine handles this step's outputs and schedules the
+        next."""
         idx = rows.tolist()
         ms = [self.matchers[req_ids[i]] for i in idx]
-        draw: _Advance = (ms, [sampled[i] for i in idx])
+        tokens = [sampled[i] for i in idx]
         where = {req_ids[i]: k for k, i in enumerate(idx)}
-        buf = self._buffer()
-        future = self._executor().submit(self._advance_fill, [draw], ms, buf, list(range(len(ms))))
-        self._ahead = (where, ms, future)
+        job = self.cache.compiler.advance_fill(
+            ms, tokens, ms, self._buffer(), list(range(len(ms))), self.threads
+        )
+        self._ahead = (where, ms, job)
 
     def _buffer(self) -> np.ndarray:
         if self._buf is None:
             words = self.cache.compiler.words
             self._buf = np.zeros((2 * self.max_num_seqs, words), dtype=np.int32)
         return self._buf
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._pool
-
-    def _advance_fill(
-        self,
-        pending: list[_Advance],
-        matchers: list[_core.GrammarMatcher],
-        buf: np.ndarray,
-        rows: list[int],
-    ) -> None:
-        """Consumes the pending draws, then writes each matcher's mask into its
-        row of `buf`: with the GIL released, on whichever thread calls it. It
-        reads nothing the runner's thread may change meanwhile."""
-        compiler = self.cache.compiler
-        for ms, tokens in pending:
-            compiler.advance(ms, tokens)
-        if matchers:
-            compiler.fill_bitmasks(matchers, buf, rows, self.threads)
 
 
 def let_grammar_win(md: SamplingMetadata) -> None:
