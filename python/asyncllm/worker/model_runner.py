@@ -131,8 +131,8 @@ class ModelRunner:
         grammar = self.grammar_rows
         masks = None
         if grammar is not None and grammar.matchers:
-            # the rows sampled this step (as `done` below): their masks are filled
-            # on a helper thread while the model runs
+            # the rows sampled this step (as `done` below): their masks were filled
+            # ahead on the grammar thread, or are filled there while the model runs
             sampling = (seq_lens == ib.num_tokens[rows]).tolist()
             ids = [r for r, d in zip(req_ids, sampling, strict=True) if d]
             masks = grammar.bitmask_async(ids) if ids else None

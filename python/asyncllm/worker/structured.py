@@ -20,7 +20,7 @@ nothing else touches a matcher meanwhile.
 Where to fill was measured on a 2-core box (benches/RESULTS.md, "constrained
 decoding within 10 %"): ahead of the step as here, then beside the forward pass,
 then serially on the runner's thread before it, in that order. The fill runs
-serially on the helper thread unless spare cores exist, since more threads only
+serially on the grammar thread unless spare cores exist, since more threads only
 take the forward's cores from it. The sampler applies the masks as it reads each
 row (`_core._sample`'s bitmask): no separate pass over the logits.
 
