@@ -5,13 +5,13 @@ costs tens of seconds cold."""
 
 from __future__ import annotations
 
-from test_llm_engine import hf_greedy, prompts_for, token_ids
+from test_llm_engine import prompts_for, token_ids
 from torch._dynamo.utils import counters
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.worker import compile as compile_mod
-from tiny_models import make_tiny_model
+from tiny_models import hf_greedy, make_tiny_model
 
 MAX_TOKENS = 8
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, InvalidRequestError, SamplingParams
-from tiny_models import make_tiny_model
+from tiny_models import hf_greedy, make_tiny_model
 
 # every test runs with and without overlap scheduling (conftest.scheduling_mode)
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
@@ -33,27 +33,6 @@ def llama_dir(tmp_path_factory):
 def prompts_for(vocab_size: int, lens=PROMPT_LENS, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lens]
-
-
-def hf_greedy(model_dir, prompts, max_tokens):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
 
 
 def greedy(max_tokens=MAX_TOKENS, **kw):

@@ -22,7 +22,7 @@ from asyncllm.models import attention
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.loader import load_model
 from conftest import tokenizer_dir
-from tiny_models import TINY_DEFAULTS, TOKENIZER_FILES, _special_token_ids
+from tiny_models import TINY_DEFAULTS, TOKENIZER_FILES, _special_token_ids, hf_greedy
 
 WINDOW = 6  # sliding window of the windowed configs: shorter than every long prompt
 
@@ -198,30 +198,6 @@ def test_logits_match_transformers(
     _check_schedule(ours, ref, SKEWED)
 
 
-def _hf_greedy(
-    model_dir: Path,
-    prompts: list[list[int]],
-    max_tokens: int,
-    model: torch.nn.Module | None = None,
-) -> list[list[int]]:
-    if model is None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.eval().generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
-
-
 def test_greedy_matches_generate_with_chunks_and_prefix_hits(
     family_dir: Path, reference: torch.nn.Module
 ) -> None:
@@ -230,7 +206,7 @@ def test_greedy_matches_generate_with_chunks_and_prefix_hits(
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, vocab, (16,), generator=g).tolist()
     prompts = [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 9)]
-    expected = _hf_greedy(family_dir, prompts, 10, reference)
+    expected = hf_greedy(family_dir, prompts, 10, reference)
     llm = LLM(
         str(family_dir),
         multiprocess=False,
@@ -356,7 +332,7 @@ def test_longrope_past_the_original_length_matches_generate(tmp_path: Path) -> N
     long = torch.randint(3, hf_config.vocab_size, (24,), generator=g).tolist()
     long_on_short = short + torch.randint(3, hf_config.vocab_size, (20,), generator=g).tolist()
     prompts = [short, long, long_on_short]
-    expected = _hf_greedy(path, prompts, 12)
+    expected = hf_greedy(path, prompts, 12)
     llm = LLM(
         str(path),
         multiprocess=False,

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_families import WINDOW, _hf_greedy, make_family_model
+from test_model_families import WINDOW, make_family_model
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.models.hf_config import kv_window, load_hf_config
+from tiny_models import hf_greedy
 
 BLOCK_SIZE = 4
 CHUNK = 8  # max_num_batched_tokens: the prompt is prefilled in chunks
@@ -29,7 +30,7 @@ def test_long_request_holds_a_bounded_number_of_blocks(mistral_dir: Path, overla
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, hf_config.vocab_size, (30,), generator=g).tolist()
     max_tokens = 40
-    expected = _hf_greedy(mistral_dir, [prompt], max_tokens)
+    expected = hf_greedy(mistral_dir, [prompt], max_tokens)
 
     llm = LLM(
         str(mistral_dir),
@@ -74,7 +75,7 @@ def test_more_long_requests_than_the_pool_holds_at_full_length(
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, hf_config.vocab_size, (30,), generator=g).tolist() for _ in "abcd"]
     max_tokens = 20
-    expected = _hf_greedy(mistral_dir, prompts, max_tokens)
+    expected = hf_greedy(mistral_dir, prompts, max_tokens)
     num_blocks = 12
     full_length = -(-(30 + max_tokens) // BLOCK_SIZE)
     assert len(prompts) * full_length > 4 * num_blocks  # could not even hold 4 requests' worth

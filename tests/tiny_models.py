@@ -96,3 +96,33 @@ def _special_token_ids(tok: Tokenizer, tok_dir: Path) -> dict[str, int]:
         if token_id is not None:
             ids[f"{key}_id"] = token_id
     return ids
+
+
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    model: torch.nn.Module | None = None,
+) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt, exactly `max_tokens`
+    long (EOS ignored): the reference the engine's tokens must equal. `model`: one
+    already loaded (e.g. with a reference attention), else float32 from `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf: Any = model.eval()  # a transformers model: `generate` is its own
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(prompt) :].tolist())
+    return out

@@ -65,6 +65,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2 (2B, 9B, 27B)."""
 
     qk_norm: Any = None
+    decoder_layer = GemmaDecoderLayer
 
     def check_config(self, cfg: Any) -> None:
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
@@ -95,31 +96,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def make_mlp(self, cfg: Any, layer: int) -> nn.Module:
         return GeGLUMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def make_layer(self, cfg: Any, layer: int) -> nn.Module:
-        return GemmaDecoderLayer(
-            self.make_attention(cfg, layer),
-            self.make_mlp(cfg, layer),
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-        )
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # transformers rounds sqrt(hidden) to the model dtype first.
         return hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

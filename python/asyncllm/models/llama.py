@@ -6,7 +6,8 @@ q/k/v and gate/up projections are fused at load time; `weight_sources` tells the
 loader which Hugging Face tensors make up each fused parameter.
 
 The other families (qwen3, phi3, moe, gemma) subclass these classes and override
-the hooks `make_layer`, `make_mlp` and the attention's options rather than copy them.
+the hooks `decoder_layer`, `make_mlp`, `embed` and the attention's options rather
+than copy them.
 """
 
 from __future__ import annotations
@@ -232,8 +233,12 @@ class LlamaForCausalLM(nn.Module):
         mlp.down_proj = RowParallelLinear(self.tp.intermediate, cfg.hidden_size)
         return mlp
 
+    # the decoder layer's class: a family with other norms around its blocks
+    # (gemma's sandwich) names its own, built from the same parts
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+
     def make_layer(self, cfg: Any, layer: int) -> nn.Module:
-        return LlamaDecoderLayer(
+        return self.decoder_layer(
             self.make_attention(cfg, layer),
             self.make_mlp(cfg, layer),
             cfg.hidden_size,
@@ -243,6 +248,9 @@ class LlamaForCausalLM(nn.Module):
     def make_rotary(self, cfg: Any) -> RotaryEmbedding:
         return RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -251,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens (after the final norm)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
