@@ -19,7 +19,7 @@ from asyncllm import LLM, AsyncLLM, EngineArgs, EngineDeadError, SamplingParams
 from asyncllm.errors import ConfigError, EngineStartupError, ModelLoadError
 from asyncllm.models.hf_config import load_hf_config
 from engine_streams import alive, stream_length
-from tiny_models import make_tiny_model
+from tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,26 +40,6 @@ ENGINE = dict(
     max_model_len=64,
     max_num_batched_tokens=16,
 )
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
 
 
 def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -219,3 +199,23 @@ def test_bad_sizes_fail_with_the_field_named():
     layout = TPLayout.of(cfg, 1, 1, 2)  # one KV head, two ranks: replicated
     assert (layout.num_heads, layout.num_kv_heads, layout.first_kv_head) == (2, 1, 0)
     assert layout.vocab_per_rank == 5
+
+
+def test_host_ip_picks_the_ranks_address_and_must_be_this_machines(monkeypatch):
+    """ASYNCLLM_HOST_IP overrides the address rank 0 binds its rendezvous to (over
+    Ray); a value that is not an IP, or not one of this machine's, fails naming it."""
+    from asyncllm.executor.distributed import host_address
+
+    def ray_default() -> str:
+        return "192.0.2.7"
+
+    monkeypatch.delenv("ASYNCLLM_HOST_IP", raising=False)
+    assert host_address(ray_default) == "192.0.2.7"
+    monkeypatch.setenv("ASYNCLLM_HOST_IP", "127.0.0.1")
+    assert host_address(ray_default) == "127.0.0.1"
+    monkeypatch.setenv("ASYNCLLM_HOST_IP", "node-a")
+    with pytest.raises(ConfigError, match="ASYNCLLM_HOST_IP='node-a' is not an IP address"):
+        host_address(ray_default)
+    monkeypatch.setenv("ASYNCLLM_HOST_IP", "192.0.2.1")  # TEST-NET-1: on no interface here
+    with pytest.raises(ConfigError, match="not an address of this machine"):
+        host_address(ray_default)

@@ -75,3 +75,11 @@ def omp_wait_policy() -> str:
     """ASYNCLLM_OMP_WAIT_POLICY (default "passive"): the default of
     `EngineArgs.omp_wait_policy` (checked there)."""
     return os.environ.get("ASYNCLLM_OMP_WAIT_POLICY", "").strip().lower() or "passive"
+
+
+def host_ip() -> str | None:
+    """ASYNCLLM_HOST_IP (default unset: the address Ray gives this node): the
+    address rank 0 of a tensor-parallel group over Ray binds its rendezvous socket
+    to and the interface gloo's sockets use (vLLM's VLLM_HOST_IP). Checked where it
+    is used: it must be an address of that machine."""
+    return os.environ.get("ASYNCLLM_HOST_IP", "").strip() or None

@@ -22,12 +22,15 @@ import ipaddress
 import os
 import socket
 import struct
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from asyncllm import envs
 from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 IDLE_TIMEOUT = timedelta(days=365)
@@ -65,6 +68,26 @@ def interface_of(address: str) -> str:
                 if socket.inet_ntoa(got) == address:
                     return name
     raise OSError(f"no network interface of this machine holds the address {address}")
+
+
+def host_address(default: Callable[[], str]) -> str:
+    """The address this node's ranks are reached on: ASYNCLLM_HOST_IP where set
+    (checked: an IP address some interface of this machine holds), else
+    `default()` (Ray's address of the node)."""
+    chosen = envs.host_ip()
+    if chosen is None:
+        return default()
+    try:
+        ipaddress.ip_address(chosen)
+        interface_of(chosen)
+    except ValueError:
+        raise ConfigError(f"ASYNCLLM_HOST_IP={chosen!r} is not an IP address") from None
+    except OSError:
+        raise ConfigError(
+            f"ASYNCLLM_HOST_IP={chosen!r} is not an address of this machine"
+            " (no network interface holds it)"
+        ) from None
+    return chosen
 
 
 def interface_towards(address: str) -> str:

@@ -10,11 +10,11 @@ Ray only places and supervises, and a worker exits when its actor ends (EOF on i
 stdin), as a local one does when the core ends.
 
 Between machines: rank 0 binds one CURVE-secured ZMQ socket (executor/hub.py) to the
-core's address, its node's IP as Ray reports it (never all interfaces); the workers
-rendezvous through it (a `dist.Store`) and send their status bytes and heartbeats
-over it. gloo's (and NCCL's bootstrap) sockets bind to the interface holding that
-address on rank 0's node, and to the one that reaches it on the others; that
-traffic itself is not authenticated (README).
+core's address, ASYNCLLM_HOST_IP where set, else its node's IP as Ray reports it
+(never all interfaces); the workers rendezvous through it (a `dist.Store`) and send
+their status bytes and heartbeats over it. gloo's (and NCCL's bootstrap) sockets
+bind to the interface holding that address on rank 0's node, and to the one that
+reaches it on the others; that traffic itself is not authenticated (README).
 
 Failure: one watchdog thread serves the hub, reads the workers' status (an error, or
 no heartbeat for HANG_S: the worker's actor is killed) and watches the actors'
@@ -40,7 +40,7 @@ from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineStartupError
-from asyncllm.executor.distributed import close_group, interface_of
+from asyncllm.executor.distributed import close_group, host_address, interface_of
 from asyncllm.executor.hub import Hub, LocalStore
 from asyncllm.executor.multiproc import HANG_S, TPExecutor
 from asyncllm.executor.ray_actor import WorkerSupervisor, visible_devices
@@ -77,7 +77,7 @@ class RayExecutor(TPExecutor):
         # instance's agents would outlive it.
         self._owns_ray = ray is None or not ray.is_initialized()
         self._ray = import_ray("distributed_executor_backend")
-        self.address = str(self._ray.util.get_node_ip_address())
+        self.address = host_address(lambda: str(self._ray.util.get_node_ip_address()))
         self.name = f"asyncllm-tp-{uuid.uuid4().hex[:12]}"
         self.workers: list[_RayWorker] = []
         self.hub: Hub | None = None
