@@ -148,3 +148,34 @@ def test_a_job_dropped_unwaited_keeps_its_array_until_it_ends():
     out = np.zeros((1, cache.compiler.words), dtype=np.int32)
     assert cache.compiler.advance_fill([], [], [grammar.matcher()], out, [0]).wait() == []
     assert out.any()
+
+
+def test_a_forked_process_gets_a_grammar_thread_of_its_own():
+    """A fork copies the compiler but not its grammar thread: a job queued in the
+    child must still run (on a thread the child starts), not wait forever."""
+    import os
+    import time
+
+    cache = GrammarCache(default_model_path() / "tokenizer.json", [EOS], 8192)
+    grammar = cache.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))
+    out = np.zeros((1, cache.compiler.words), dtype=np.int32)
+    assert cache.compiler.advance_fill([], [], [grammar.matcher()], out, [0]).wait() == []
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its job ran
+        code = 1
+        try:
+            out[:] = 0
+            job = cache.compiler.advance_fill([], [], [grammar.matcher()], out, [0])
+            code = 0 if job.wait() == [] and out.any() else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child's job never ran")

@@ -35,10 +35,13 @@ pub(super) struct Done {
 }
 
 /// One thread, started on the first job, running jobs in submission order; it
-/// ends when its owner drops the worker (the channel closes).
+/// ends when its owner drops the worker (the channel closes). A process forked
+/// after it started has no such thread: it starts its own rather than queue jobs
+/// that nothing would run.
 pub(super) struct SerialWorker {
     name: &'static str,
-    tx: Mutex<Option<(Sender<Task>, placement::AwayFrom)>>,
+    // the process that started the thread, the thread's queue, its placement
+    tx: Mutex<Option<(u32, Sender<Task>, placement::AwayFrom)>>,
 }
 
 fn panic_text(p: &(dyn Any + Send)) -> String {
@@ -73,7 +76,11 @@ impl SerialWorker {
             .tx
             .lock()
             .map_err(|_| PyRuntimeError::new_err("grammar worker lock poisoned"))?;
-        if slot.is_none() {
+        let pid = std::process::id();
+        if slot
+            .as_ref()
+            .is_none_or(|(started_by, _, _)| *started_by != pid)
+        {
             let (tx, rx) = channel::<Task>();
             let (id_tx, id_rx) = channel();
             thread::Builder::new()
@@ -88,9 +95,9 @@ impl SerialWorker {
             let id = id_rx
                 .recv()
                 .map_err(|_| PyRuntimeError::new_err(format!("{} did not start", self.name)))?;
-            *slot = Some((tx, placement::AwayFrom::new(id)));
+            *slot = Some((pid, tx, placement::AwayFrom::new(id)));
         }
-        let (tx, away) = slot.as_ref().expect("started above");
+        let (_, tx, away) = slot.as_ref().expect("started above");
         away.update();
         tx.send(task)
             .map_err(|_| PyRuntimeError::new_err(format!("{} has stopped", self.name)))?;
