@@ -21,6 +21,7 @@ from asyncllm.default_model import DEFAULT_MODEL, default_model_path
 from asyncllm.frontend.llm import LLM
 from asyncllm.frontend.tokenizer import Tokenizer
 from server_process import Server, get_text, post
+from tiny_models import hf_greedy
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = default_model_path()
@@ -81,17 +82,9 @@ def test_greedy_equals_transformers(hf_model, llm):
     # min_tokens masks EOS exactly as min_new_tokens does, so both run the full length.
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with torch.inference_mode():
-        for prompt, got in zip(prompts, ours, strict=True):
-            ids = torch.tensor([prompt])
-            gen = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-            )
-            assert list(got) == gen[0, len(prompt) :].tolist()
+    expected = hf_greedy(MODEL, prompts, MAX_TOKENS, model=hf_model)
+    for got, want in zip(ours, expected, strict=True):
+        assert list(got) == want
 
 
 def _heldout_texts() -> list[str]:
