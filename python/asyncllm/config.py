@@ -26,6 +26,7 @@ EXECUTORS = ("torch", "null")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")
+LINEAR_KERNELS = ("auto", "torch", "onednn", "rust")
 _MAX_BLOCK_SIZE = 256
 _MAX_DATA_PARALLEL = 64
 _MAX_TENSOR_PARALLEL = 64
@@ -117,6 +118,17 @@ class EngineArgs:
     # Fused layers: torch.compile (inductor) the elementwise work between the
     # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
     compile: bool = False
+    # The CPU kernel of the linear layers (asyncllm.worker.linear_select): "auto"
+    # measures torch's F.linear, torch's prepacked oneDNN linear and the rust
+    # matrix-vector kernel per weight shape and row-count bucket when the model
+    # loads (cached on disk) and runs the fastest; "torch", "onednn" or "rust"
+    # force one. Default: ASYNCLLM_LINEAR_KERNEL. CUDA always runs F.linear.
+    linear_kernel: str = field(default_factory=envs.linear_kernel)
+    # Batch invariance (vLLM's VLLM_BATCH_INVARIANT): every linear layer runs the
+    # rust kernel, whose result for a row is the same whatever rows share its step,
+    # so a request's logits do not depend on the batch (slower prefill). Default:
+    # ASYNCLLM_BATCH_INVARIANT.
+    batch_invariant: bool = field(default_factory=envs.batch_invariant)
     # Placement (engine/launcher.py; measured in benches/bench_threads.py, README):
     # pin the engine core's threads to the last `num_threads` CPUs and the front end
     # to the others (None: on for `asyncllm serve` where that leaves the front end a
@@ -205,6 +217,10 @@ class EngineArgs:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.compile, bool):
             raise _fail("compile", self.compile, "a bool")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise _fail("linear_kernel", self.linear_kernel, " or ".join(map(repr, LINEAR_KERNELS)))
+        if not isinstance(self.batch_invariant, bool):
+            raise _fail("batch_invariant", self.batch_invariant, "a bool")
         if self.pin_threads is not None and not isinstance(self.pin_threads, bool):
             raise _fail("pin_threads", self.pin_threads, "None (auto) or a bool")
         if self.pin_threads and self.data_parallel_size > 1:
@@ -312,6 +328,8 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             compile=self.compile,
+            linear_kernel=self.linear_kernel,
+            batch_invariant=self.batch_invariant,
         )
 
 
@@ -343,6 +361,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     compile: bool = False
+    linear_kernel: str = "auto"
+    batch_invariant: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

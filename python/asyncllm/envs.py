@@ -83,3 +83,15 @@ def host_ip() -> str | None:
     to and the interface gloo's sockets use (vLLM's VLLM_HOST_IP). Checked where it
     is used: it must be an address of that machine."""
     return os.environ.get("ASYNCLLM_HOST_IP", "").strip() or None
+
+
+def linear_kernel() -> str:
+    """ASYNCLLM_LINEAR_KERNEL (default "auto"): the default of
+    `EngineArgs.linear_kernel` (checked there)."""
+    return os.environ.get("ASYNCLLM_LINEAR_KERNEL", "").strip().lower() or "auto"
+
+
+def batch_invariant() -> bool:
+    """ASYNCLLM_BATCH_INVARIANT (default off; vLLM's VLLM_BATCH_INVARIANT): the
+    default of `EngineArgs.batch_invariant`."""
+    return _bool("ASYNCLLM_BATCH_INVARIANT", False)

@@ -6,7 +6,7 @@
 //!
 //! `ASYNCLLM_KERNEL_ISA` caps the instruction set the kernel picks, read once:
 //! `portable` (no SIMD intrinsics, what a CPU without AVX2 runs), `avx2`
-//! (AVX2 + FMA, no AVX-512), or `auto` / unset (the best the CPU has); so CI
+//! (AVX2 + FMA, no AVX-512), `avx512` (AVX-512F, not its BF16 extension), or `auto` / unset (the best the CPU has); so CI
 //! covers every variant on one machine.
 
 use std::sync::OnceLock;
@@ -69,6 +69,9 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 pub(super) enum IsaCap {
     Portable,
     Avx2,
+    /// AVX-512 (F) for the kernels that have such a variant, but not its BF16
+    /// extension: the attention kernel runs its AVX2 variant.
+    Avx512,
     Auto,
 }
 
@@ -77,9 +80,10 @@ pub(super) fn isa_cap() -> Result<IsaCap, KernelError> {
     CAP.get_or_init(|| match std::env::var("ASYNCLLM_KERNEL_ISA").as_deref() {
         Ok("portable") => Ok(IsaCap::Portable),
         Ok("avx2") => Ok(IsaCap::Avx2),
+        Ok("avx512") => Ok(IsaCap::Avx512),
         Ok("auto") | Ok("") | Err(std::env::VarError::NotPresent) => Ok(IsaCap::Auto),
         Ok(other) => Err(format!(
-            "ASYNCLLM_KERNEL_ISA must be \"auto\", \"avx2\" or \"portable\", got {other:?}"
+            "ASYNCLLM_KERNEL_ISA must be \"auto\", \"avx512\", \"avx2\" or \"portable\", got {other:?}"
         )),
         Err(e) => Err(format!("ASYNCLLM_KERNEL_ISA: {e}")),
     })

@@ -7,13 +7,17 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod bf16;
+mod linear;
 mod paged_attention;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
 pub(crate) mod team;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
+pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,
     KvCache,

@@ -5,6 +5,7 @@ mod codec;
 mod detok;
 mod errors;
 mod kernels;
+mod linear;
 mod mask_job;
 mod prefix_hash;
 mod sampler;
@@ -32,6 +33,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codec::register(m)?;
     detok::register(m)?;
     kernels::register(m)?;
+    linear::register(m)?;
     prefix_hash::register(m)?;
     sampler::register(m)?;
     structured::register(m)?;

@@ -102,8 +102,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        if self.logits_head is not None:  # the kernels chosen at load
+            logits = self.logits_head(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()

@@ -265,8 +265,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.norm(hidden)
 
+    # Set by the runner's kernel selection (asyncllm.worker.linear_select): the LM
+    # head on the kernels chosen for its shape (the embedding's weight when tied).
+    logits_head: nn.Module | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of the rows the sampler needs."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()  # type: ignore[no-any-return]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -62,6 +62,11 @@ ENGINE_HELP: dict[str, str] = {
     "compile": "fuse the elementwise work between the matmuls with torch.compile (inductor);"
     " the first start compiles (README: cold and warm start-up), later ones reuse the"
     " kernels cached under $XDG_CACHE_HOME/asyncllm/inductor (off by default)",
+    "linear_kernel": "CPU kernel of the linear layers: auto (measure F.linear, torch's"
+    " prepacked oneDNN linear and the rust matrix-vector kernel per shape at load, cached"
+    " on disk), torch, onednn or rust (default: $ASYNCLLM_LINEAR_KERNEL, else auto)",
+    "batch_invariant": "run every linear layer on the rust kernel, whose result for a row"
+    " does not depend on the rows beside it (default: $ASYNCLLM_BATCH_INVARIANT, else off)",
     "pin_threads": "pin the engine core's threads to the last --num-threads CPUs and the"
     " front end to the others (default: $ASYNCLLM_PIN_THREADS, else on for serve when"
     " that leaves the front end a CPU, off for generate)",

@@ -24,6 +24,7 @@ from asyncllm.tracing import StepRecorder
 from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
+from asyncllm.worker.linear_select import select_linear_kernels
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
@@ -61,6 +62,12 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model = load_model(config.model, hf_config, config.torch_dtype, self.device)
+        self.linear_kernels = select_linear_kernels(
+            self.model,
+            mode=config.linear_kernel,
+            batch_invariant=config.batch_invariant,
+            num_threads=torch.get_num_threads(),
+        )
         # Phi-3's longrope rotates a whole sequence by its prompt's length.
         self._pass_prompt_lens = bool(getattr(self.model, "uses_prompt_lens", False))
         self.vocab_size = int(self.model.vocab_size)

@@ -1,0 +1,129 @@
+"""The kernels a linear layer can run on the CPU, and the layer that runs the ones
+chosen for it.
+
+    torch    `F.linear` (MKL's or oneDNN's GEMM, as torch dispatches it)
+    onednn   torch's own oneDNN linear on a weight reordered once into its blocked
+             layout (`torch.ops.mkldnn._linear_pointwise`), what established CPU
+             engines run; on some CPUs 2-4x `F.linear` (AMD, where MKL skips AVX-512)
+    rust     the extension's matrix-vector kernel (rust/kernels/linear.rs): one read
+             of the weight for a step's few rows, and one reduction order for every
+             row count (batch invariance)
+
+Which kernel runs depends on the rows of the step: `KernelLinear` keeps a table from
+row-count bucket to kernel, filled by `asyncllm.worker.linear_select` from a short
+measurement when the model loads. A weight lives in one layout only: the reordered
+one (onednn serves every bucket) or the checkpoint's (torch and rust share it), so
+choosing a kernel never costs a second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm import _core
+
+KERNELS = ("torch", "onednn", "rust")
+# Row counts a choice is made for: a step of T rows takes the first bucket >= T
+# (the last one beyond it).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Above this many rows the rust kernel (a matrix-vector product) is never chosen by
+# measurement: it reads the weight once per step but does the FLOPs without a GEMM's
+# blocking, so it only wins while the weight read dominates.
+RUST_MAX_ROWS = 16
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has the oneDNN linear ops (CPU builds of 2.x do)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """The weight reordered into oneDNN's blocked layout (an opaque tensor that only
+    `_linear_pointwise` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # type: ignore[no-any-return]
+
+
+def run_onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+def run_rust(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """`_core._linear` on CPU tensors: float32, or bfloat16 passed as int16 bits."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    b = None if bias is None else bias.float().numpy()
+    if x.dtype == torch.bfloat16:
+        _core._linear(
+            out.view(torch.int16).numpy(),
+            x.view(torch.int16).numpy(),
+            weight.view(torch.int16).numpy(),
+            b,
+            num_threads,
+        )
+    else:
+        _core._linear(out.numpy(), x.numpy(), weight.numpy(), b, num_threads)
+    return out
+
+
+def rust_supports(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+
+class KernelLinear(nn.Module):
+    """`y = x Wᵀ + b` through the kernel chosen for the step's row count.
+
+    `kernels[i]` serves steps of up to `BUCKETS[i]` rows (the last one beyond).
+    Built by `asyncllm.worker.linear_select` from a layer's weight, which it takes
+    over: reordered for oneDNN when that is the choice (then for every bucket),
+    else the very same tensor (a tied LM head shares the embedding's)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: Sequence[str],
+        num_threads: int,
+    ) -> None:
+        super().__init__()
+        if len(kernels) != len(BUCKETS) or not set(kernels) <= set(KERNELS):
+            raise ValueError(f"kernels must name one of {KERNELS} per bucket {BUCKETS}")
+        if "onednn" in kernels and set(kernels) != {"onednn"}:
+            raise ValueError("a reordered (onednn) weight serves every bucket alone")
+        self.out_features, self.in_features = weight.shape
+        self.kernels = tuple(kernels)
+        self.num_threads = num_threads
+        if kernels[0] == "onednn":
+            weight = nn.Parameter(pack_onednn(weight), requires_grad=False)
+        elif not isinstance(weight, nn.Parameter):
+            weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._run: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = tuple(
+            self._runner(k) for k in self.kernels
+        )
+
+    def _runner(self, kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        if kernel == "onednn":
+            return lambda x: run_onednn(x, self.weight, self.bias)
+        if kernel == "rust":
+            return lambda x: run_rust(x, self.weight, self.bias, self.num_threads)
+        return lambda x: F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+        i = min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)
+        if x.dim() == 2:
+            return self._run[i](x)
+        return self._run[i](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernels={self.kernels}"

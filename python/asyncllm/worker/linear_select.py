@@ -1,0 +1,227 @@
+"""Choosing each linear layer's kernel by measuring them when the model loads.
+
+For every distinct (weight shape, dtype, bias) of the model and every row-count
+bucket (`models.linear_kernels.BUCKETS`), each available kernel is timed on the
+weight itself (the median of a few calls after a warm one: a few ms a shape), and
+the layout that serves the buckets best is chosen:
+
+    reordered   oneDNN for every bucket
+    plain       per bucket the faster of torch's F.linear and the rust kernel
+
+scored by the sum over buckets of (layout's time / best time), so neither a large
+nor a small bucket dominates. The choices are cached on disk per CPU model, ISA
+flags, torch and extension version, thread count, dtype and shape
+(`$XDG_CACHE_HOME/asyncllm/linear-kernels.json`), so a second start measures
+nothing. CUDA and tensor-parallel ranks keep `F.linear`.
+
+`linear_kernel` other than "auto" forces one kernel everywhere (tests, checks);
+`batch_invariant` forces the rust kernel, whose result for a row does not depend
+on the rows around it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm import _core
+from asyncllm.models.linear_kernels import (
+    BUCKETS,
+    RUST_MAX_ROWS,
+    KernelLinear,
+    onednn_available,
+    pack_onednn,
+    run_onednn,
+    run_rust,
+    rust_supports,
+)
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+REPS = 5
+
+
+def select_linear_kernels(
+    model: nn.Module, *, mode: str, batch_invariant: bool, num_threads: int
+) -> dict[str, tuple[str, ...]]:
+    """Replace every plain `nn.Linear` of `model` (and its LM head) by a
+    `KernelLinear` on the kernels chosen for its shape; returns shape key ->
+    kernels per bucket, for the log and the benchmarks."""
+    first = next(model.parameters())
+    if first.device.type != "cpu" or getattr(model, "tp", None) is not None:
+        return {}
+    if batch_invariant:
+        mode = "rust"
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    cache = _DiskCache(num_threads)
+    chosen: dict[str, tuple[str, ...]] = {}
+
+    def kernels_for(weight: torch.Tensor, bias: torch.Tensor | None, tied: bool) -> tuple[str, ...]:
+        key = f"{weight.dtype}:{tuple(weight.shape)}:{'bias' if bias is not None else '-'}"
+        if tied:
+            key += ":tied"
+        if key not in chosen:
+            if mode != "auto":
+                chosen[key] = _forced(mode, weight, tied)
+            else:
+                found = cache.get(key)
+                if found is None:
+                    found = _measure(weight, bias, tied, num_threads)
+                    cache.put(key, found)
+                chosen[key] = found
+        return chosen[key]
+
+    for parent, name, linear in targets:
+        kernels = kernels_for(linear.weight, linear.bias, tied=False)
+        setattr(parent, name, KernelLinear(linear.weight, linear.bias, kernels, num_threads))
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", None) is None and isinstance(embed, nn.Embedding):
+        kernels = kernels_for(embed.weight, None, tied=True)
+        model.logits_head = KernelLinear(embed.weight, None, kernels, num_threads)
+    elif isinstance(getattr(model, "lm_head", None), KernelLinear):
+        model.logits_head = model.lm_head
+    cache.save()
+    logger.info(
+        "linear kernels (%s, %d threads): %s",
+        "batch-invariant" if batch_invariant else mode,
+        num_threads,
+        "; ".join(f"{k} -> {_describe(v)}" for k, v in chosen.items()),
+    )
+    return chosen
+
+
+def _describe(kernels: tuple[str, ...]) -> str:
+    runs: list[str] = []
+    start = 0
+    for i in range(1, len(kernels) + 1):
+        if i == len(kernels) or kernels[i] != kernels[start]:
+            hi = "" if i == len(kernels) else str(BUCKETS[i - 1])
+            runs.append(f"{BUCKETS[start] if start else 1}-{hi}:{kernels[start]}")
+            start = i
+    return ",".join(runs)
+
+
+def _forced(mode: str, weight: torch.Tensor, tied: bool) -> tuple[str, ...]:
+    if mode == "onednn" and (tied or not onednn_available()):
+        mode = "torch"  # a tied head keeps the embedding's layout
+    if mode == "rust" and not rust_supports(weight):
+        mode = "torch"
+    return (mode,) * len(BUCKETS)
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    fn()
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def _measure(
+    weight: torch.Tensor, bias: torch.Tensor | None, tied: bool, num_threads: int
+) -> tuple[str, ...]:
+    """The kernels per bucket for this weight, by timing each on it."""
+    w = weight.detach()
+    times: dict[str, list[float]] = {"torch": [], "rust": [], "onednn": []}
+    packed = pack_onednn(w) if onednn_available() and not tied else None
+    rust_ok = rust_supports(w)
+    with torch.inference_mode():
+        for rows in BUCKETS:
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+            times["torch"].append(_time(lambda x=x: F.linear(x, w, bias)))
+            if packed is not None:
+                times["onednn"].append(_time(lambda x=x: run_onednn(x, packed, bias)))
+            if rust_ok and rows <= RUST_MAX_ROWS:
+                times["rust"].append(_time(lambda x=x: run_rust(x, w, bias, num_threads)))
+    best = [min(t[i] for t in times.values() if len(t) > i) for i in range(len(BUCKETS))]
+    plain = []
+    for i in range(len(BUCKETS)):
+        rust = times["rust"][i] if i < len(times["rust"]) else float("inf")
+        plain.append(("rust", rust) if rust < times["torch"][i] else ("torch", times["torch"][i]))
+    plain_score = sum(t / b for (_, t), b in zip(plain, best, strict=True))
+    if packed is not None:
+        onednn_score = sum(t / b for t, b in zip(times["onednn"], best, strict=True))
+        if onednn_score < plain_score:
+            return ("onednn",) * len(BUCKETS)
+    return tuple(k for k, _ in plain)
+
+
+def _cpu_key(num_threads: int) -> str:
+    """What the measurements depend on: the CPU (model name and flags), the
+    software (torch, the extension) and the thread count."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        model = next((ln for ln in lines if ln.startswith("model name")), "")
+        flags = next((ln for ln in lines if ln.startswith("flags")), "")
+        cpu = f"{model}|{flags}"
+    except OSError:
+        pass
+    raw = f"{cpu}|{torch.__version__}|{_core.native_version()}|{num_threads}|{CACHE_VERSION}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "asyncllm" / "linear-kernels.json"
+
+
+class _DiskCache:
+    """The choices of earlier starts on this machine: {cpu key: {shape key: kernels}}."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.key = _cpu_key(num_threads)
+        self.path = cache_path()
+        self.dirty = False
+        try:
+            data = json.loads(self.path.read_text())
+            self.entries: dict[str, list[str]] = dict(data.get(self.key, {}))
+            self.all: dict[str, Any] = data if isinstance(data, dict) else {}
+        except (OSError, ValueError, AttributeError, TypeError):
+            self.entries, self.all = {}, {}
+
+    def get(self, key: str) -> tuple[str, ...] | None:
+        found = self.entries.get(key)
+        if isinstance(found, list) and len(found) == len(BUCKETS):
+            return tuple(str(k) for k in found)
+        return None
+
+    def put(self, key: str, kernels: tuple[str, ...]) -> None:
+        self.entries[key] = list(kernels)
+        self.dirty = True
+
+    def save(self) -> None:
+        """Written beside and renamed: a concurrent start reads a whole file or none."""
+        if not self.dirty:
+            return
+        self.all[self.key] = self.entries
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".linear-kernels-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.all, f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only home: measure again next time
+            logger.warning("cannot cache the linear kernel choices in %s: %s", self.path, e)

@@ -1,0 +1,522 @@
+//! `out = x · Wᵀ (+ bias)` for the few rows of a decode step: a matrix-vector
+//! product that reads each weight row once, for all of the step's rows, straight
+//! from the checkpoint's layout (`W` is `[n, k]`, as `nn.Linear` keeps it).
+//!
+//! Why our own: at one to a few rows a linear layer is bound by reading its
+//! weights, and the library GEMMs are built for the compute-bound case (measured
+//! here: torch's bf16 `F.linear` of one row reads a 512 × 1,536 weight at under
+//! 1 GB/s). This kernel streams `W` once at the memory's speed.
+//!
+//! **One reduction order for every row count.** Each output element is the same
+//! computation whatever `m`, the thread count or the row's place in the batch:
+//! 32 float lanes over `k` in order, the lanes summed by a fixed tree, then the
+//! tail, then the bias. So a row computed alone and in a batch agree bit for bit
+//! (the batch-invariant mode relies on it; `tests.rs` checks it).
+//!
+//! One source, compiled per instruction set: `dot_rows` is generic and inlined
+//! into a `#[target_feature]` wrapper per ISA (portable, AVX2 + FMA, AVX-512),
+//! which the auto-vectoriser turns into that ISA's vectors; the paths a machine
+//! cannot run are the same code as those it can.
+
+use std::sync::{Mutex, PoisonError};
+
+use rayon::prelude::*;
+
+use super::bf16::{isa_cap, IsaCap};
+use super::team::{self, Team};
+use super::{bf16_to_f32, f32_to_bf16, KernelError};
+
+/// A float the kernel reads or writes: f32, or bf16 as its bits (`u16`).
+pub trait Elem: Copy + Send + Sync + 'static {
+    /// Whether this is bf16 bits (vector loads widen it).
+    const IS_BF16: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Elem for f32 {
+    const IS_BF16: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+}
+
+impl Elem for u16 {
+    const IS_BF16: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> u16 {
+        f32_to_bf16(x)
+    }
+}
+
+/// Rows of `x` (`m`), input features (`k`) and output features (`n`).
+#[derive(Clone, Copy, Debug)]
+pub struct LinearShape {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// Output features per work item: a multiple of the cache line's floats, small
+/// enough that a step's few items per thread balance the team.
+const ITEM_COLS: usize = 64;
+
+/// The instruction sets the kernel is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LinearIsa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl LinearIsa {
+    /// The best variant this CPU runs within the cap of `ASYNCLLM_KERNEL_ISA`.
+    pub(super) fn detect() -> Result<LinearIsa, KernelError> {
+        let cap = isa_cap()?;
+        #[cfg(target_arch = "x86_64")]
+        if cap != IsaCap::Portable
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+        {
+            if cap != IsaCap::Avx2 && is_x86_feature_detected!("avx512f") {
+                return Ok(LinearIsa::Avx512);
+            }
+            return Ok(LinearIsa::Avx2);
+        }
+        let _ = cap;
+        Ok(LinearIsa::Portable)
+    }
+
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            LinearIsa::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            LinearIsa::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            LinearIsa::Avx512 => "avx512",
+        }
+    }
+
+    /// Every variant this CPU can run (tests force each one).
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<LinearIsa> {
+        #[allow(unused_mut)]
+        let mut isas = vec![LinearIsa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            isas.push(LinearIsa::Avx2);
+            if is_x86_feature_detected!("avx512f") {
+                isas.push(LinearIsa::Avx512);
+            }
+        }
+        isas
+    }
+
+    #[inline]
+    fn columns<W: Elem>(self, job: &Job<'_, W>, cols: std::ops::Range<usize>, out: &mut [f32]) {
+        match self {
+            LinearIsa::Portable => columns::<simd::Portable, W>(job, cols, out),
+            // SAFETY: `Avx2` is only constructed where the CPU has AVX2 and FMA
+            // (`detect` and `available` check them).
+            #[cfg(target_arch = "x86_64")]
+            LinearIsa::Avx2 => unsafe { columns_avx2(job, cols, out) },
+            // SAFETY: `Avx512` is only constructed where the CPU has AVX2, FMA
+            // and AVX512F (`detect` and `available` check them).
+            #[cfg(target_arch = "x86_64")]
+            LinearIsa::Avx512 => unsafe { columns_avx512(job, cols, out) },
+        }
+    }
+}
+
+/// The variant `linear` runs here (for tests and benchmarks).
+pub fn linear_isa() -> Result<&'static str, KernelError> {
+    Ok(LinearIsa::detect()?.name())
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ + bias[n]` on `num_threads` threads, with the
+/// best instruction set this CPU has. Every check runs before `out` is written.
+pub fn linear<X: Elem, W: Elem, O: Elem>(
+    shape: LinearShape,
+    x: &[X],
+    w: &[W],
+    bias: Option<&[f32]>,
+    num_threads: usize,
+    out: &mut [O],
+) -> Result<(), KernelError> {
+    run(shape, x, w, bias, num_threads, out, LinearIsa::detect()?)
+}
+
+/// The validated operands: `x` widened to f32 once (it is small), `w` in place.
+struct Job<'a, W> {
+    shape: LinearShape,
+    x: Vec<f32>,
+    w: &'a [W],
+    bias: Option<&'a [f32]>,
+}
+
+/// `linear` with the instruction set chosen by the caller (tests run each).
+pub(super) fn run<X: Elem, W: Elem, O: Elem>(
+    shape: LinearShape,
+    x: &[X],
+    w: &[W],
+    bias: Option<&[f32]>,
+    num_threads: usize,
+    out: &mut [O],
+    isa: LinearIsa,
+) -> Result<(), KernelError> {
+    let LinearShape { m, k, n } = shape;
+    let bad = |what: String| Err(KernelError::Shape(what));
+    if num_threads == 0 {
+        return bad("num_threads must be at least 1".into());
+    }
+    if x.len() != m * k || w.len() != n * k || out.len() != m * n {
+        return bad(format!(
+            "linear: x has {} elements, w {}, out {}; [m={m}, k={k}] x [n={n}, k={k}] needs {}, {}, {}",
+            x.len(),
+            w.len(),
+            out.len(),
+            m * k,
+            n * k,
+            m * n
+        ));
+    }
+    if bias.is_some_and(|b| b.len() != n) {
+        return bad(format!("linear: bias must have n={n} elements"));
+    }
+    let job = Job {
+        shape,
+        x: x.iter().map(|v| v.to_f32()).collect(),
+        w,
+        bias,
+    };
+    // Work items are column ranges of `out`, computed into an item's own
+    // [m, cols] buffer and then stored: items never share an output element.
+    let num_items = n.div_ceil(ITEM_COLS);
+    let store = |cols: std::ops::Range<usize>, tile: &[f32], out: &OutPtr<O>| {
+        let width = cols.len();
+        for (i, row) in tile.chunks_exact(width).enumerate() {
+            for (j, v) in row.iter().enumerate() {
+                // SAFETY: `out` points at `m * n` elements (checked above) that
+                // only this call writes; (i, cols.start + j) is in bounds and
+                // belongs to this item's column range alone, so no two threads
+                // write the same element.
+                unsafe { out.0.add(i * n + cols.start + j).write(O::from_f32(*v)) };
+            }
+        }
+    };
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let item = |idx: usize, tile: &mut Vec<f32>| {
+        let cols = idx * ITEM_COLS..((idx + 1) * ITEM_COLS).min(n);
+        tile.clear();
+        tile.resize(m * cols.len(), 0.0);
+        isa.columns(&job, cols.clone(), tile);
+        store(cols, tile, &out_ptr);
+    };
+    if num_threads == 1 || num_items <= 1 {
+        let mut tile = Vec::new();
+        (0..num_items).for_each(|i| item(i, &mut tile));
+        return Ok(());
+    }
+    match Team::get(num_threads)? {
+        #[cfg(target_os = "linux")]
+        Team::Omp(parallel) => {
+            let next = Mutex::new(0..num_items);
+            team::run_on_omp(parallel, num_threads, &|| {
+                let mut tile = Vec::new();
+                loop {
+                    // Only `next` runs under the lock and it cannot panic.
+                    let idx = next.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    let Some(idx) = idx else { break };
+                    item(idx, &mut tile);
+                }
+            })?;
+        }
+        Team::Rayon => team::pool(num_threads)?.install(|| {
+            (0..num_items)
+                .into_par_iter()
+                .for_each_init(Vec::new, |tile, idx| item(idx, tile))
+        }),
+    }
+    Ok(())
+}
+
+/// The output's base pointer, shared by the work items (see `store`).
+struct OutPtr<O>(*mut O);
+// SAFETY: the items behind this pointer write disjoint elements (see `store`),
+// and the pointer outlives them: `run` returns only after every item is done.
+unsafe impl<O: Send> Sync for OutPtr<O> {}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn columns_avx2<W: Elem>(job: &Job<'_, W>, cols: std::ops::Range<usize>, out: &mut [f32]) {
+    columns::<simd::Avx2, W>(job, cols, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+fn columns_avx512<W: Elem>(job: &Job<'_, W>, cols: std::ops::Range<usize>, out: &mut [f32]) {
+    columns::<simd::Avx512, W>(job, cols, out)
+}
+
+/// The item's tile `out[m, cols]`: weight row by weight row, each read from
+/// memory once for all of `x`'s rows (it stays in L1 while they use it).
+#[inline(always)]
+fn columns<S: simd::Simd, W: Elem>(
+    job: &Job<'_, W>,
+    cols: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let LinearShape { m, k, .. } = job.shape;
+    let width = cols.len();
+    for (c, j) in cols.enumerate() {
+        let w = &job.w[j * k..(j + 1) * k];
+        let bias = job.bias.map_or(0.0, |b| b[j]);
+        let mut i = 0;
+        while i + 4 <= m {
+            let sums = dot::<S, W, 4>(&job.x[i * k..(i + 4) * k], w);
+            for (r, s) in sums.iter().enumerate() {
+                out[(i + r) * width + c] = s + bias;
+            }
+            i += 4;
+        }
+        while i < m {
+            out[i * width + c] = dot::<S, W, 1>(&job.x[i * k..(i + 1) * k], w)[0] + bias;
+            i += 1;
+        }
+    }
+}
+
+/// `x_r · w` for the `R` rows of `x` (each `w.len()` long), each in the one order
+/// described at the top: four vector accumulators over blocks of
+/// `4 * S::LANES`, then one over the remaining whole vectors, summed as
+/// ((a0 + a1) + (a2 + a3)) + a4 and across lanes by a fixed tree, then the scalar
+/// tail in order. Rows share each weight load; no row's operations depend on `R`,
+/// so a row gives the same bits in a group of 4 as alone.
+#[inline(always)]
+fn dot<S: simd::Simd, W: Elem, const R: usize>(x: &[f32], w: &[W]) -> [f32; R] {
+    let (k, l) = (w.len(), S::LANES);
+    assert!(x.len() >= R * k, "x holds R rows of k");
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    // SAFETY: every load below reads `S::LANES` elements at an offset `o` of a
+    // row with `o + S::LANES <= k`, within `w` (k long) and row `r` of `x`
+    // (`r * k + o`, with x at least R * k long: asserted); the intrinsics inside
+    // are those of the ISA the caller was compiled for (`columns_avx2` /
+    // `columns_avx512` run only on CPUs that have it).
+    unsafe {
+        let mut acc = [[S::zero(); 4]; R];
+        let mut o = 0;
+        while o + 4 * l <= k {
+            for a in 0..4 {
+                let p = o + a * l;
+                let wv = S::load_w(wp.add(p));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[a] = S::fma(S::load(xp.add(r * k + p)), wv, acc[a]);
+                }
+            }
+            o += 4 * l;
+        }
+        let mut last = [S::zero(); R];
+        while o + l <= k {
+            let wv = S::load_w(wp.add(o));
+            for (r, last) in last.iter_mut().enumerate() {
+                *last = S::fma(S::load(xp.add(r * k + o)), wv, *last);
+            }
+            o += l;
+        }
+        let mut sums = [0.0f32; R];
+        for r in 0..R {
+            let a = &acc[r];
+            let v = S::add(S::add(S::add(a[0], a[1]), S::add(a[2], a[3])), last[r]);
+            let mut s = S::sum(v);
+            for t in o..k {
+                s = S::scalar_fma(x[r * k + t], w[t].to_f32(), s);
+            }
+            sums[r] = s;
+        }
+        sums
+    }
+}
+
+/// The vector operations `dot` is written in, per instruction set: one source
+/// for the kernel, a few lines of intrinsics per ISA here.
+mod simd {
+    use super::Elem;
+
+    pub(super) trait Simd {
+        const LANES: usize;
+        type V: Copy;
+        unsafe fn zero() -> Self::V;
+        /// `LANES` f32 from `p`.
+        unsafe fn load(p: *const f32) -> Self::V;
+        /// `LANES` weights from `p`, widened to f32 when bf16.
+        unsafe fn load_w<W: Elem>(p: *const W) -> Self::V;
+        unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+        /// The lanes' sum by a fixed tree.
+        unsafe fn sum(v: Self::V) -> f32;
+        fn scalar_fma(a: f32, b: f32, c: f32) -> f32;
+    }
+
+    /// Eight lanes in plain Rust, no fused multiply-add (a library call where
+    /// the CPU has none): what a CPU without AVX2 runs.
+    pub(super) struct Portable;
+
+    impl Simd for Portable {
+        const LANES: usize = 8;
+        type V = [f32; 8];
+        #[inline(always)]
+        unsafe fn zero() -> [f32; 8] {
+            [0.0; 8]
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> [f32; 8] {
+            // SAFETY: the caller guarantees 8 readable f32 at `p`.
+            unsafe { std::array::from_fn(|i| *p.add(i)) }
+        }
+        #[inline(always)]
+        unsafe fn load_w<W: Elem>(p: *const W) -> [f32; 8] {
+            // SAFETY: the caller guarantees 8 readable weights at `p`.
+            unsafe { std::array::from_fn(|i| (*p.add(i)).to_f32()) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+            std::array::from_fn(|i| a[i] * b[i] + c[i])
+        }
+        #[inline(always)]
+        unsafe fn add(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+            std::array::from_fn(|i| a[i] + b[i])
+        }
+        #[inline(always)]
+        unsafe fn sum(v: [f32; 8]) -> f32 {
+            ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+        }
+        #[inline(always)]
+        fn scalar_fma(a: f32, b: f32, c: f32) -> f32 {
+            a * b + c
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub(super) use x86::{Avx2, Avx512};
+
+    #[cfg(target_arch = "x86_64")]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        use super::{Elem, Simd};
+
+        /// AVX2 + FMA: 8 lanes. Call only from code compiled with those features.
+        pub(in super::super) struct Avx2;
+
+        impl Simd for Avx2 {
+            const LANES: usize = 8;
+            type V = __m256;
+            #[inline(always)]
+            unsafe fn zero() -> __m256 {
+                // SAFETY (all methods): run only inside `columns_avx2`, compiled
+                // with AVX2 and FMA for CPUs that have them; loads read the 8
+                // elements the caller guarantees readable (unaligned allowed).
+                unsafe { _mm256_setzero_ps() }
+            }
+            #[inline(always)]
+            unsafe fn load(p: *const f32) -> __m256 {
+                unsafe { _mm256_loadu_ps(p) }
+            }
+            #[inline(always)]
+            unsafe fn load_w<W: Elem>(p: *const W) -> __m256 {
+                unsafe {
+                    if W::IS_BF16 {
+                        let h = _mm_loadu_si128(p.cast());
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                    } else {
+                        _mm256_loadu_ps(p.cast())
+                    }
+                }
+            }
+            #[inline(always)]
+            unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+                unsafe { _mm256_fmadd_ps(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn add(a: __m256, b: __m256) -> __m256 {
+                unsafe { _mm256_add_ps(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn sum(v: __m256) -> f32 {
+                unsafe {
+                    let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                    let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+                    _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+                }
+            }
+            #[inline(always)]
+            fn scalar_fma(a: f32, b: f32, c: f32) -> f32 {
+                a.mul_add(b, c)
+            }
+        }
+
+        /// AVX-512F: 16 lanes. Call only from code compiled with it.
+        pub(in super::super) struct Avx512;
+
+        impl Simd for Avx512 {
+            const LANES: usize = 16;
+            type V = __m512;
+            #[inline(always)]
+            unsafe fn zero() -> __m512 {
+                // SAFETY (all methods): run only inside `columns_avx512`, compiled
+                // with AVX2, FMA and AVX512F for CPUs that have them; loads read
+                // the 16 elements the caller guarantees readable.
+                unsafe { _mm512_setzero_ps() }
+            }
+            #[inline(always)]
+            unsafe fn load(p: *const f32) -> __m512 {
+                unsafe { _mm512_loadu_ps(p) }
+            }
+            #[inline(always)]
+            unsafe fn load_w<W: Elem>(p: *const W) -> __m512 {
+                unsafe {
+                    if W::IS_BF16 {
+                        let h = _mm256_loadu_si256(p.cast());
+                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                    } else {
+                        _mm512_loadu_ps(p.cast())
+                    }
+                }
+            }
+            #[inline(always)]
+            unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+                unsafe { _mm512_fmadd_ps(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn add(a: __m512, b: __m512) -> __m512 {
+                unsafe { _mm512_add_ps(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn sum(v: __m512) -> f32 {
+                unsafe {
+                    let lo = _mm512_castps512_ps256(v);
+                    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                    let x = _mm256_add_ps(lo, hi);
+                    let x = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+                    let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+                    _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+                }
+            }
+            #[inline(always)]
+            fn scalar_fma(a: f32, b: f32, c: f32) -> f32 {
+                a.mul_add(b, c)
+            }
+        }
+    }
+}
