@@ -489,8 +489,33 @@ def _paged_decode_attention(
 def _kernel_isa(dtype: str) -> str:
     """The instruction-set variant `_paged_decode_attention` runs on this CPU for a
     cache of `dtype` ("float32" or "bfloat16"): "portable", "avx2" or "avx512bf16",
-    within the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx2", "portable"). For tests
+    within the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx512", "avx2", "portable";
+    "avx512" runs the attention kernel's AVX2 variant). For tests
     and benchmarks. Raises ValueError on another dtype or a bad variable."""
+
+def _linear(out: _Buffer, x: _Buffer, w: _Buffer, bias: _Buffer | None, num_threads: int) -> None:
+    """out[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) (rust/kernels/linear.rs): the
+    weight read once for all of x's rows, each output element in one reduction
+    order whatever m or the thread count (a row gives the same bits alone and in a
+    batch). x, w and out share a dtype: float32, or bfloat16 passed as its bits
+    (`tensor.view(torch.int16).numpy()`; accumulation is float32); bias is float32.
+    All C-contiguous, out writable and apart from w. Raises ValueError on a wrong
+    dtype, shape or layout, before anything is written. Private: the one caller
+    (asyncllm.models.linear_kernels) promises no thread writes w or out meanwhile."""
+
+def _linear_isa() -> str:
+    """The variant `_linear` runs on this CPU: "portable", "avx2" or "avx512", within
+    the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx512", "avx2", "portable")."""
+
+def _fma_peak(num_threads: int, iters: int) -> tuple[float, str]:
+    """(float operations per second, ISA variant) of `num_threads` threads each
+    running `iters` rounds of 12 independent vector fused multiply-adds: the CPU's
+    FMA peak, for the roofline benchmark."""
+
+def _read_bandwidth(data: _Buffer, num_threads: int) -> float:
+    """Bytes per second of `num_threads` threads summing disjoint parts of `data`
+    (1-D float32, read in place): memory read bandwidth when `data` is far larger
+    than the caches."""
 
 def _sample(
     logits: _Buffer,

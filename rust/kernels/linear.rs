@@ -350,10 +350,10 @@ fn dot<S: simd::Simd, W: Elem, const R: usize>(x: &[f32], w: &[W]) -> [f32; R] {
 
 /// The vector operations `dot` is written in, per instruction set: one source
 /// for the kernel, a few lines of intrinsics per ISA here.
-mod simd {
+pub(super) mod simd {
     use super::Elem;
 
-    pub(super) trait Simd {
+    pub(in super::super) trait Simd {
         const LANES: usize;
         type V: Copy;
         unsafe fn zero() -> Self::V;
@@ -370,7 +370,7 @@ mod simd {
 
     /// Eight lanes in plain Rust, no fused multiply-add (a library call where
     /// the CPU has none): what a CPU without AVX2 runs.
-    pub(super) struct Portable;
+    pub(in super::super) struct Portable;
 
     impl Simd for Portable {
         const LANES: usize = 8;
@@ -408,7 +408,7 @@ mod simd {
     }
 
     #[cfg(target_arch = "x86_64")]
-    pub(super) use x86::{Avx2, Avx512};
+    pub(in super::super) use x86::{Avx2, Avx512};
 
     #[cfg(target_arch = "x86_64")]
     mod x86 {
@@ -417,7 +417,7 @@ mod simd {
         use super::{Elem, Simd};
 
         /// AVX2 + FMA: 8 lanes. Call only from code compiled with those features.
-        pub(in super::super) struct Avx2;
+        pub(in super::super::super) struct Avx2;
 
         impl Simd for Avx2 {
             const LANES: usize = 8;
@@ -467,7 +467,7 @@ mod simd {
         }
 
         /// AVX-512F: 16 lanes. Call only from code compiled with it.
-        pub(in super::super) struct Avx512;
+        pub(in super::super::super) struct Avx512;
 
         impl Simd for Avx512 {
             const LANES: usize = 16;

@@ -9,6 +9,7 @@
 mod bf16;
 mod linear;
 mod paged_attention;
+mod peak;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
 pub(crate) mod team;
 #[cfg(test)]
@@ -22,6 +23,7 @@ pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,
     KvCache,
 };
+pub use peak::{fma_peak, read_bandwidth};
 
 /// An argument a kernel cannot work with. Every check runs before any output is
 /// written, so on error the output buffer is untouched.

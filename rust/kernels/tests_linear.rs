@@ -144,4 +144,3 @@ fn bad_shapes_are_refused_before_writing() {
     assert!(err.to_string().contains("bias"), "{err}");
     assert_eq!(out, [7.0; 4]);
 }
-

@@ -7,6 +7,7 @@ mod errors;
 mod kernels;
 mod linear;
 mod mask_job;
+mod peak;
 mod prefix_hash;
 mod sampler;
 mod structured;
@@ -34,6 +35,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     detok::register(m)?;
     kernels::register(m)?;
     linear::register(m)?;
+    peak::register(m)?;
     prefix_hash::register(m)?;
     sampler::register(m)?;
     structured::register(m)?;

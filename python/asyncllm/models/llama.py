@@ -160,6 +160,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         )
+        # Set by the runner's kernel selection (asyncllm.worker.linear_select): the LM
+        # head on the kernels chosen for its shape (the embedding's weight when tied).
+        self.logits_head: nn.Module | None = None
         if self.tp is not None:  # an instance attribute: one rank keeps the plain method
             self.compute_logits = self._compute_logits_tp  # type: ignore[method-assign]
 
@@ -264,10 +267,6 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.norm(hidden)
-
-    # Set by the runner's kernel selection (asyncllm.worker.linear_select): the LM
-    # head on the kernels chosen for its shape (the embedding's weight when tied).
-    logits_head: nn.Module | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of the rows the sampler needs."""
