@@ -191,8 +191,16 @@ impl GrammarCompiler {
         vocab_size: usize,
     ) -> PyResult<Self> {
         let path = tokenizer_path.to_string();
+        // Walking the vocabulary costs ~0.1-0.2 s of CPU on the first constrained
+        // request: at the compile threads' low priority too, not the caller's.
+        let builder = CompilePool::new("grammar-init", 1);
         let inner = py
-            .detach(move || Compiler::from_file(&path, &eos_token_ids, vocab_size))
+            .detach(|| {
+                builder.run(None, move || {
+                    Compiler::from_file(&path, &eos_token_ids, vocab_size)
+                })
+            })
+            .map_err(value_err)?
             .map_err(value_err)?;
         let eos_row = Arc::new(inner.eos_row());
         Ok(GrammarCompiler {
