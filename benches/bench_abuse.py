@@ -12,6 +12,13 @@ delayed, and a soak's counts.
    chat), plus every limit-independent class of the tests' catalogue
    (tests/abuse/abuse_cases.py): malformed JSON, wrong types, invalid UTF-8, ids
    out of range, empty prompts, unknown model.
+   Issue 24's grammar and template cases run in the same pass: the regexes
+   `a{1000001}` and `(a{1000}){1000}`, a `$ref` cycle, `chat_template_kwargs`
+   setting `tools` (10,000 of them) or `bos_token`, an unknown role, a request's
+   own `chat_template`, a 100,000-part message, and three accepted but costly
+   JSON schemas (1,000 properties, ~0.2 s to compile each). Then the engine
+   core's and the front end's resident memory after 50 distinct refused regexes
+   and after 50 distinct costly schemas (the grammar cache's byte bound).
 2. The catalogue's limit classes against a server with the tests' small limits.
 
 For each server: the healthy stream alone (its gaps between tokens), then again
@@ -52,7 +59,7 @@ from abuse_cases import (  # noqa: E402
     problems,
     send_case,
 )
-from abuse_http import request, wait_idle  # noqa: E402
+from abuse_http import request, resident_kib, scrape, wait_idle  # noqa: E402
 from abuse_soak import soak  # noqa: E402
 
 from server_process import Server  # noqa: E402
@@ -113,6 +120,65 @@ def issue_attacks() -> list[Case]:
         Case("1M characters of chat messages", CHAT, _j({"messages": [msg] * 1000}), 413,
              "messages"),
     ]  # fmt: skip
+
+
+def _costly_schema(seed: int) -> dict:
+    props = {f"p{i}": {"type": "integer", "minimum": i, "maximum": i * 1000 + seed}
+             for i in range(1000)}  # fmt: skip
+    return {"type": "object", "properties": props}
+
+
+def grammar_attacks() -> list[Case]:
+    """Issue 24's cases: grammars and chat templates as a hostile client sends them."""
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f"}}] * 10_000
+    cycle = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    parts = [{"type": "text", "text": "a"}] * 100_000
+
+    def so(constraint: dict, max_tokens: int = 8) -> bytes:
+        return _j({"prompt": "{", "max_tokens": max_tokens, "structured_outputs": constraint})
+
+    return [
+        Case("regex a{1000001}", C, so({"regex": "a{1000001}"}), 400, "structured_outputs"),
+        Case("regex (a{1000}){1000}", C, so({"regex": "(a{1000}){1000}"}), 400,
+             "structured_outputs"),
+        Case("JSON schema with a $ref cycle", C, so({"json": cycle}), 400, "structured_outputs"),
+        *(Case(f"costly JSON schema {s} (1,000 properties)", C,
+               so({"json": _costly_schema(s)}, 4), 200, None) for s in range(3)),
+        Case("chat_template_kwargs: 10,000 tools", CHAT,
+             _j({"messages": hi, "chat_template_kwargs": {"tools": tools}}), 400,
+             "chat_template_kwargs"),
+        Case("chat_template_kwargs: 1,000-char bos_token", CHAT,
+             _j({"messages": hi, "chat_template_kwargs": {"bos_token": "b" * 1000}}), 400,
+             "chat_template_kwargs"),
+        Case("unknown chat role", CHAT, _j({"messages": [{"role": "hacker", "content": "hi"}]}),
+             400, "messages"),
+        Case("chat_template in the body", CHAT,
+             _j({"messages": hi, "chat_template": "{{ messages }}"}), 400, "chat_template"),
+        Case("100,000-part chat message", CHAT,
+             _j({"messages": [{"role": "user", "content": parts}]}), 400, "messages"),
+    ]  # fmt: skip
+
+
+async def grammar_memory(server: Server) -> dict[str, float]:
+    """Resident MiB of the engine core and the front end after 50 distinct
+    refused regexes, then after 50 distinct accepted costly schemas."""
+    core = max(server.children(), key=resident_kib)
+    rss = {"core_start_mib": resident_kib(core) / 1024}
+    for i in range(50):
+        body = _j({"prompt": "{", "max_tokens": 8,
+                   "structured_outputs": {"regex": f"a{{{1000001 + i}}}"}})  # fmt: skip
+        await send_case(server.port, Case("", C, body, 400, None))
+    rss["core_after_50_refused_mib"] = resident_kib(core) / 1024
+    for i in range(50):
+        body = _j({"prompt": "{", "max_tokens": 1,
+                   "structured_outputs": {"json": _costly_schema(100 + i)}})  # fmt: skip
+        await send_case(server.port, Case("", C, body, 200, None), timeout=120)
+    rss["core_after_50_costly_mib"] = resident_kib(core) / 1024
+    rss["front_end_mib"] = resident_kib(server.proc.pid) / 1024
+    metrics = await scrape(server.port)
+    rss["grammar_cache_mib"] = metrics.get("asyncllm:grammar_cache_bytes", 0) / 2**20
+    return {k: round(v, 1) for k, v in rss.items()}
 
 
 async def time_classes(port: int, cases: list[Case], passes: int, tokens: int) -> dict:
@@ -198,7 +264,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             srv = serve(Path(d), "isolate")
             try:
-                asyncio.run(isolate_classes(srv.port, issue_attacks(), a.tokens))
+                attacks = issue_attacks() + grammar_attacks()
+                asyncio.run(isolate_classes(srv.port, attacks, a.tokens))
             finally:
                 srv.stop()
         return
@@ -208,7 +275,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name, flags, cases in (
-            ("default limits", [], issue_attacks() + malformed_cases()),
+            ("default limits", [], issue_attacks() + grammar_attacks() + malformed_cases()),
             ("small limits", limit_flags(LIMITS), limit_cases(LIMITS)),
         ):
             srv = serve(tmp, name.replace(" ", "-"), *flags)
@@ -216,6 +283,9 @@ def main() -> None:
                 result[name] = asyncio.run(time_classes(srv.port, cases, a.passes, a.tokens))
                 health = asyncio.run(request(srv.port, "GET", "/health")).status
                 result[name]["health_after"] = health  # type: ignore[index]
+                if not flags:
+                    result["grammar memory"] = asyncio.run(grammar_memory(srv))
+                    print("\ngrammar memory:", json.dumps(result["grammar memory"]))
             finally:
                 result[name]["exit_status"] = srv.stop()  # type: ignore[index]
             report_classes(name, result[name])  # type: ignore[arg-type]

@@ -6,6 +6,7 @@
 //! `cargo test` and `cargo bench` need no Python. `py` is the only place that
 //! touches the interpreter: extract owned inputs, release the GIL, wrap results.
 
+pub mod alloc_count;
 pub mod detok;
 pub mod error;
 pub mod kernels;
@@ -16,6 +17,10 @@ pub mod sampler;
 pub mod structured;
 
 use pyo3::prelude::*;
+
+/// Counted, so that a compiled grammar's size can be measured (`alloc_count`).
+#[global_allocator]
+static ALLOCATOR: alloc_count::Counting = alloc_count::Counting;
 
 /// The `asyncllm._core` extension module: registration only.
 #[pymodule]

@@ -92,6 +92,7 @@ def test_every_limit_is_a_documented_flag():
         "api_key",
         "max_concurrent_requests",
         "chat_template",
+        "trust_request_chat_template",
         "tool_call_parser",
         "shutdown_timeout",
         "stats_interval",

@@ -566,6 +566,9 @@ class Grammar:
 
     @property
     def kind(self) -> str: ...
+    @property
+    def size_bytes(self) -> int:
+        """Heap bytes the compiled grammar holds (measured when it was compiled)."""
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of this grammar."""
 
@@ -594,8 +597,10 @@ class GrammarCompiler:
     @property
     def words(self) -> int:
         """int32 words per bitmask row: ceil(vocab_size / 32)."""
-    def compile(self, kind: str, spec: str) -> Grammar:
-        """Compiles (kind, spec) with the GIL released; ValueError names the problem."""
+    def compile(self, kind: str, spec: str, timeout_s: float | None = None) -> Grammar:
+        """Compiles (kind, spec) on the compiler's threads at the lowest scheduling
+        priority, waiting (GIL released) at most `timeout_s`; ValueError names the
+        problem, or the limit the grammar went past (the deadline included)."""
     def fill_bitmasks(
         self, matchers: list[GrammarMatcher], out: _Buffer, rows: list[int], threads: int = 1
     ) -> list[int]:

@@ -24,6 +24,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from asyncllm.errors import ConfigError
 
+# The roles a message may have (OpenAI's; `function` is its older name for tool
+# results). Another role is refused, as OpenAI and vLLM refuse it, rather than
+# handed to a template that may render it as anything.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
 # Bounds on what one conversation may hold beyond the server's own limits.
 MAX_TOOLS = 256
 MAX_TOOL_CALLS_PER_MESSAGE = 128
@@ -128,7 +133,8 @@ class ChatTemplate:
 
 
 def prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """OpenAI chat messages in the shape a template expects, checked: a role;
+    """OpenAI chat messages in the shape a template expects, checked: a role
+    (one of ROLES);
     content a string, None (rendered "") or text parts (joined with newlines);
     `tool_calls` only on assistant messages, each `{id, type: "function",
     function: {name, arguments}}` with arguments a JSON object (as text, the
@@ -146,6 +152,10 @@ def _prepare_message(i: int, message: Any) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise ChatTemplateError(f"{where}.role must be a non-empty string")
+    if role not in ROLES:
+        raise ChatTemplateError(
+            f"{where}.role {role[:32]!r} is not a chat role: expected one of {', '.join(ROLES)}"
+        )
     out = dict(message)
     out["content"] = _content_text(message.get("content"), where)
     tool_calls = message.get("tool_calls")

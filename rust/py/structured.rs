@@ -10,6 +10,7 @@
 //! thread (`mask_job`) and returns at once.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -18,6 +19,7 @@ use rayon::{ThreadPool, ThreadPoolBuilder};
 
 use super::kernels::{buffer, data_ptr};
 use super::mask_job::{MaskJob, SerialWorker};
+use crate::structured::compile_pool::CompilePool;
 use crate::structured::{self, Compiler, Status, TrackedMatcher};
 
 fn value_err(e: impl ToString) -> PyErr {
@@ -34,6 +36,8 @@ pub struct GrammarCompiler {
     pool: Mutex<Option<Arc<ThreadPool>>>,
     // runs `advance_fill` jobs in order
     worker: SerialWorker,
+    // compiles at the lowest priority, so a costly grammar delays only its request
+    compile_pool: CompilePool,
 }
 
 /// A compiled constraint, shared by every request with the same one.
@@ -103,6 +107,9 @@ fn row_slices<'a>(all: &'a mut [u32], words: usize, rows: &[usize]) -> Vec<&'a m
         .map(|&r| chunks[r].take().expect("rows are distinct"))
         .collect()
 }
+
+/// Threads compiling grammars (each at the lowest priority); more jobs queue.
+const COMPILE_THREADS: usize = 2;
 
 /// The most threads `fill_bitmasks` may be asked for.
 const MAX_FILL_THREADS: usize = 256;
@@ -184,8 +191,16 @@ impl GrammarCompiler {
         vocab_size: usize,
     ) -> PyResult<Self> {
         let path = tokenizer_path.to_string();
+        // Walking the vocabulary costs ~0.1-0.2 s of CPU on the first constrained
+        // request: at the compile threads' low priority too, not the caller's.
+        let builder = CompilePool::new("grammar-init", 1);
         let inner = py
-            .detach(move || Compiler::from_file(&path, &eos_token_ids, vocab_size))
+            .detach(|| {
+                builder.run(None, move || {
+                    Compiler::from_file(&path, &eos_token_ids, vocab_size)
+                })
+            })
+            .map_err(value_err)?
             .map_err(value_err)?;
         let eos_row = Arc::new(inner.eos_row());
         Ok(GrammarCompiler {
@@ -193,6 +208,7 @@ impl GrammarCompiler {
             eos_row,
             pool: Mutex::new(None),
             worker: SerialWorker::new("grammar-masks"),
+            compile_pool: CompilePool::new("grammar-compile", COMPILE_THREADS),
         })
     }
 
@@ -207,13 +223,32 @@ impl GrammarCompiler {
         self.inner.words()
     }
 
-    /// Compiles (kind, spec) (`StructuredOutputsParams.kind` and `.spec()`),
-    /// with the GIL released. Raises ValueError naming the problem.
-    fn compile(&self, py: Python<'_>, kind: &str, spec: &str) -> PyResult<Grammar> {
+    /// Compiles (kind, spec) (`StructuredOutputsParams.kind` and `.spec()`) on
+    /// the compiler's own threads, which run at the lowest scheduling priority,
+    /// waiting with the GIL released at most `timeout_s` seconds (None: until
+    /// it is done). Raises ValueError naming the problem, or the limit the
+    /// grammar went past (the deadline included).
+    #[pyo3(signature = (kind, spec, timeout_s=None))]
+    fn compile(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        spec: &str,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Grammar> {
+        let deadline = match timeout_s {
+            None => None,
+            Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+            Some(t) => return Err(value_err(format!("timeout_s must be > 0, got {t}"))),
+        };
         let compiler = self.inner.clone();
         let (k, s) = (kind.to_string(), spec.to_string());
         let inner = py
-            .detach(move || compiler.compile(&k, &s))
+            .detach(|| {
+                self.compile_pool
+                    .run(deadline, move || compiler.compile(&k, &s))
+            })
+            .map_err(value_err)?
             .map_err(value_err)?;
         Ok(Grammar {
             inner: Arc::new(inner),
@@ -356,6 +391,12 @@ impl Grammar {
     #[getter]
     fn kind(&self) -> &str {
         &self.kind
+    }
+
+    /// Heap bytes the compiled grammar holds (measured when it was compiled).
+    #[getter]
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
     }
 }
 

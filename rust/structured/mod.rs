@@ -8,12 +8,16 @@
 //! Bitmask layout (as vLLM's and xgrammar's): per row `words` u32, token `t`
 //! allowed iff bit `t % 32` of word `t / 32` is set.
 
+pub mod budget;
+pub mod compile_pool;
+pub mod literal_runs;
+mod schema_refs;
 mod vocab;
 
 #[cfg(test)]
 mod tests;
 
-use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -24,6 +28,8 @@ use thiserror::Error;
 use tokenizers::Tokenizer;
 use toktrie::{InferenceCapabilities, TokEnv};
 
+use crate::alloc_count;
+
 /// Why a constraint could not be compiled or a matcher could not be used.
 #[derive(Debug, Error)]
 pub enum StructuredError {
@@ -33,24 +39,12 @@ pub enum StructuredError {
     Kind(String),
     #[error("invalid {kind}: {msg}")]
     Invalid { kind: &'static str, msg: String },
-}
-
-/// Bounds on what compiling one constraint and computing one mask may cost
-/// (llguidance counts "fuel" and items, which track time, rather than clocks).
-fn limits() -> ParserLimits {
-    ParserLimits {
-        // symbols in the grammar's productions: a few MB of JSON schema
-        max_grammar_size: 200_000,
-        // regex AST nodes built for the lexer at compile time (~20 ms)
-        initial_lexer_fuel: 1_000_000,
-        // per mask: lexer work (~15 ms) and Earley items (~2.5 ms)
-        step_lexer_fuel: 200_000,
-        step_max_items: 50_000,
-        max_lexer_states: 250_000,
-        // errors name the problem, not the whole grammar and parser state
-        verbose_errors: false,
-        ..ParserLimits::default()
-    }
+    #[error("{kind} exceeds the compile budget ({limit}): {msg}")]
+    Limit {
+        kind: &'static str,
+        limit: String,
+        msg: String,
+    },
 }
 
 /// Compiles constraints for one tokenizer; built once per engine.
@@ -63,6 +57,7 @@ pub struct Compiler {
 pub struct Grammar {
     start: Matcher,
     id: u64,
+    size_bytes: u64,
 }
 
 /// Tells compiled grammars apart (a matcher's state key starts from it).
@@ -75,6 +70,23 @@ impl Grammar {
     /// request.
     pub fn matcher(&self) -> TrackedMatcher {
         TrackedMatcher::new(self.start.clone(), self.id)
+    }
+
+    /// Heap bytes the compile left held (the grammar, its lexer, the start
+    /// state); what the grammar cache counts. The lexer's automaton grows a
+    /// little more as masks are computed, within `max_lexer_states`.
+    pub fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+}
+
+impl Drop for Grammar {
+    fn drop(&mut self) {
+        if self.size_bytes > budget::RELEASE_OVER_BYTES {
+            // the pages go back when the last matcher of it is gone too; the
+            // parts they share are small next to what the grammar held
+            alloc_count::release_free_memory();
+        }
     }
 }
 
@@ -106,7 +118,7 @@ impl Compiler {
         )
         .map_err(|e| StructuredError::Tokenizer(e.to_string()))?;
         factory.quiet();
-        *factory.limits_mut() = limits();
+        *factory.limits_mut() = budget::limits();
         Ok(Compiler {
             factory,
             vocab_size,
@@ -141,34 +153,78 @@ impl Compiler {
 
     /// Compiles one constraint. `kind` and `spec` are `StructuredOutputsParams`'s
     /// `kind` and `spec()`: a JSON schema as text, a regex, a JSON list of
-    /// strings, a Lark grammar, or "" for any JSON object.
+    /// strings, a Lark grammar, or "" for any JSON object. The heap it holds is
+    /// measured on the calling thread (run it on a thread of its own, as
+    /// `compile_pool` does, for a figure that only counts it).
     pub fn compile(&self, kind: &str, spec: &str) -> Result<Grammar, StructuredError> {
+        let (built, usage) = alloc_count::measure(|| self.build(kind, spec));
+        let (kind, start) = match built {
+            Ok(built) => built,
+            Err(e) => {
+                if usage.peak > budget::RELEASE_OVER_BYTES {
+                    // a large compile refused: what it built goes back now (a kept
+                    // grammar's scratch is reused by the next compile instead, and
+                    // trimming locks every arena the step loop allocates from)
+                    alloc_count::release_free_memory();
+                }
+                return Err(e);
+            }
+        };
+        if usage.net > budget::MAX_GRAMMAR_BYTES {
+            drop(start);
+            alloc_count::release_free_memory();
+            return Err(StructuredError::Limit {
+                kind,
+                limit: format!("max_grammar_bytes={}", budget::MAX_GRAMMAR_BYTES),
+                msg: format!("the compiled grammar holds {} bytes", usage.net),
+            });
+        }
+        Ok(Grammar {
+            start,
+            id: NEXT_GRAMMAR_ID.fetch_add(1, Ordering::Relaxed),
+            size_bytes: usage.net,
+        })
+    }
+
+    /// The matcher at the start of (kind, spec), and the kind's name for errors.
+    fn build(&self, kind: &str, spec: &str) -> Result<(&'static str, Matcher), StructuredError> {
         let (kind, top) = match kind {
-            "json" => ("JSON schema", json_schema(parse_json("JSON schema", spec)?)),
+            "json" => ("JSON schema", json_schema(checked_schema(spec)?)),
             "json_object" => (
                 "JSON object",
                 json_schema(serde_json::json!({"type": "object"})),
             ),
-            "regex" => ("regex", TopLevelGrammar::from_regex(spec)),
+            "regex" => (
+                "regex",
+                TopLevelGrammar::from_regex(check_literals("regex", spec)?),
+            ),
             "choice" => ("choice", choice(spec)?),
             "grammar" => ("grammar", TopLevelGrammar::from_lark(spec.to_string())),
             other => return Err(StructuredError::Kind(other.to_string())),
         };
-        let invalid = |msg: String| StructuredError::Invalid { kind, msg };
+        let invalid = |msg: String| match budget::exceeded_limit(&msg) {
+            Some(limit) => StructuredError::Limit { kind, limit, msg },
+            None => StructuredError::Invalid { kind, msg },
+        };
         // Building the parser compiles the grammar and its lexer; a bad schema,
         // regex or grammar, or one past the limits, fails here.
         let parser = self
             .factory
             .create_parser(top)
             .map_err(|e| invalid(e.to_string()))?;
-        let start = Matcher::new(Ok(parser));
+        let mut start = Matcher::new(Ok(parser));
+        // The first mask, computed here rather than in a step: it builds the
+        // lexer's first states (shared with every matcher of this grammar), so
+        // their time is spent on the compile thread and their bytes counted in
+        // the grammar's size.
+        let first = start.compute_mask_or_eos();
         if let Some(e) = start.get_error() {
             return Err(invalid(e));
         }
-        Ok(Grammar {
-            start,
-            id: NEXT_GRAMMAR_ID.fetch_add(1, Ordering::Relaxed),
-        })
+        if let Err(e) = first {
+            return Err(invalid(e.to_string()));
+        }
+        Ok((kind, start))
     }
 }
 
@@ -177,6 +233,66 @@ fn parse_json(kind: &'static str, spec: &str) -> Result<Value, StructuredError> 
         kind,
         msg: format!("not valid JSON: {e}"),
     })
+}
+
+/// The JSON schema in `spec`, refused if it is not JSON or if its `$ref`s form
+/// a cycle that consumes nothing (it would describe no JSON at all).
+fn checked_schema(spec: &str) -> Result<Value, StructuredError> {
+    let schema = parse_json("JSON schema", spec)?;
+    check_schema_literals(&schema)?;
+    if let Some(cycle) = schema_refs::ref_cycle(&schema) {
+        return Err(StructuredError::Invalid {
+            kind: "JSON schema",
+            msg: format!("$ref cycle that matches no JSON: {cycle}"),
+        });
+    }
+    Ok(schema)
+}
+
+/// `pattern`, refused if it spells out a literal longer than
+/// `literal_runs::MAX_LITERAL_BYTES` once its repetitions are expanded.
+fn check_literals<'a>(kind: &'static str, pattern: &'a str) -> Result<&'a str, StructuredError> {
+    let longest = literal_runs::longest_literal(pattern).unwrap_or(0);
+    if longest > literal_runs::MAX_LITERAL_BYTES {
+        return Err(StructuredError::Limit {
+            kind,
+            limit: format!("max_literal_bytes={}", literal_runs::MAX_LITERAL_BYTES),
+            msg: format!(
+                "it spells out a literal of {longest} bytes once repetitions are expanded"
+            ),
+        });
+    }
+    Ok(pattern)
+}
+
+/// Every `pattern` of a JSON schema within `check_literals`'s bound, and every
+/// string `const` or `enum` value too (each becomes a literal of the lexer).
+fn check_schema_literals(schema: &Value) -> Result<(), StructuredError> {
+    let mut stack = vec![schema];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Object(map) => {
+                if let Some(Value::String(p)) = map.get("pattern") {
+                    check_literals("JSON schema", p)?;
+                }
+                let consts = map.get("const").into_iter();
+                let enums = map
+                    .get("enum")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten();
+                for c in consts.chain(enums) {
+                    if let Value::String(text) = c {
+                        check_literals("JSON schema", &regex_syntax::escape(text))?;
+                    }
+                }
+                stack.extend(map.values());
+            }
+            Value::Array(items) => stack.extend(items.iter()),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// A JSON-schema grammar, compact (no free whitespace between tokens) unless the
@@ -202,10 +318,10 @@ fn choice(spec: &str) -> Result<TopLevelGrammar, StructuredError> {
         return Err(invalid("needs at least one choice, none empty".into()));
     }
     let alternatives: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
-    Ok(TopLevelGrammar::from_regex(&format!(
-        "(?:{})",
-        alternatives.join("|")
-    )))
+    let pattern = format!("(?:{})", alternatives.join("|"));
+    Ok(TopLevelGrammar::from_regex(check_literals(
+        "choice", &pattern,
+    )?))
 }
 
 /// Unique rows at least this many are filled in parallel (given a pool);

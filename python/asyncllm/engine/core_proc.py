@@ -280,6 +280,8 @@ class EngineCoreProc:
                 "queue_time_buckets": list(QUEUE_TIME_BUCKETS),
                 "queue_time_cumulative": core.scheduler.queue_time.cumulative(),
                 "queue_time_sum": core.scheduler.queue_time.sum,
+                "grammar_cache_bytes": core.grammars.num_bytes,
+                "grammar_cache_entries": core.grammars.num_entries,
             }
         if method == "reset_prefix_cache":
             return core.reset_prefix_cache()

@@ -168,6 +168,12 @@ def _serve_parser(sub: Any) -> None:
         "chat_template.jinja, else tokenizer_config.json's chat_template)",
     )
     s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (in the same sandbox, with the same "
+        "limits); without it a request that sends one gets HTTP 400",
+    )
+    s.add_argument(
         "--tool-call-parser",
         default="hermes",
         help="how tool calls are read from the model's output with tool_choice 'auto' "
@@ -216,6 +222,7 @@ def _serve(ns: argparse.Namespace) -> int:
             api_key=ns.api_key or envs.api_key(),
             max_concurrent_requests=ns.max_concurrent_requests,
             chat_template=ns.chat_template,
+            trust_request_chat_template=ns.trust_request_chat_template,
             tool_call_parser=ns.tool_call_parser,
             shutdown_timeout=ns.shutdown_timeout,
             stats_interval=ns.stats_interval,

@@ -24,6 +24,9 @@ LIMIT_HELP: dict[str, str] = {
     "max_logit_bias": "entries in logit_bias",
     "max_stop_token_ids": "entries in stop_token_ids",
     "max_chat_messages": "messages in one chat request",
+    "max_chat_template_kwargs": "keys in chat_template_kwargs (keys the server sets itself, "
+    "such as tools, bos_token or messages, are refused)",
+    "max_chat_template_kwargs_bytes": "bytes of chat_template_kwargs as JSON",
     "max_header_bytes": "bytes of a request's line and headers (HTTP 431)",
     "max_response_bytes": "the response size a request may build, estimated before it "
     "runs from n, prompts, max_tokens, echo and logprobs",
@@ -44,6 +47,8 @@ class ServerConfig:
     api_key: str | None = None
     max_concurrent_requests: int | None = None  # sequences (prompts x n) running at once
     chat_template: str | None = None
+    # a request's own `chat_template` is rendered (in the same sandbox) only if set
+    trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # reads tool calls in model output (tool_parsers)
     shutdown_timeout: float = 10.0
     stats_interval: float = 10.0
@@ -58,6 +63,8 @@ class ServerConfig:
     max_logit_bias: int = 300
     max_stop_token_ids: int = 256
     max_chat_messages: int = 1024
+    max_chat_template_kwargs: int = 32
+    max_chat_template_kwargs_bytes: int = 16 * 1024
     max_header_bytes: int = 16 * 1024
     max_response_bytes: int = 32 * MiB
     header_timeout: float = 10.0

@@ -94,6 +94,8 @@ class Handlers:
         return Response(status_code=200)
 
     async def get_metrics(self, request: Request) -> Response:
+        grammars = self.engine.input_processor.grammars  # the front end's own cache
+        self.metrics.frontend_grammar_cache_bytes.set(grammars.num_bytes)
         body = self.metrics.render(await self.core_stats())
         return Response(body, media_type=CONTENT_TYPE)
 
@@ -103,10 +105,12 @@ class Handlers:
         serving.check_model(req.model)
         if req.messages is not None:
             # the tools and template options as /v1/chat/completions renders them
-            extra = {"tools": template_tools(req.tools)} if req.tools else {}
-            extra.update(req.chat_template_kwargs or {})
+            tools = template_tools(req.tools) if req.tools else None
+            template, extra = self.chat.template_inputs(
+                req.chat_template, req.chat_template_kwargs, tools
+            )
             _, ids = await self.chat.tokenize_messages(
-                req.messages, req.add_generation_prompt, extra
+                req.messages, req.add_generation_prompt, extra, template
             )
         elif req.prompt is not None:
             serving.limits.check_chars(len(req.prompt), "prompt")

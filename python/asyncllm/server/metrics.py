@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -91,6 +92,13 @@ class ServerMetrics:
         self.generation_len = histogram(
             "request_generation_tokens", "Generated length of finished requests.", _TOKEN_BUCKETS
         )
+        self.frontend_grammar_cache_bytes = Gauge(
+            PREFIX + "frontend_grammar_cache_bytes",
+            "Heap bytes held by the front end's cached compiled grammars (the engine "
+            "core's are grammar_cache_bytes).",
+            labels,
+            registry=reg,
+        ).labels(model_name)
         self.core = _CoreStatsCollector(model_name)
         reg.register(self.core)
 
@@ -172,6 +180,16 @@ class _CoreStatsCollector(Collector):
             ("num_requests_running", "num_running", "Requests in the running batch."),
             ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
             ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use."),
+            (
+                "grammar_cache_bytes",
+                "grammar_cache_bytes",
+                "Heap bytes held by the engine core's cached compiled grammars.",
+            ),
+            (
+                "grammar_cache_entries",
+                "grammar_cache_entries",
+                "Compiled grammars in the engine core's cache.",
+            ),
         )
         for name, key, doc in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -170,11 +170,19 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
+# Content parts in one message. A static bound (not a flag) so that pydantic
+# counts them as it parses the body and stops at the first one over, before
+# 100,000 part dicts are built (the process kept ~100 MB after such a request).
+MAX_CONTENT_PARTS = 1024
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = (
+        None
+    )
     name: str | None = None
 
 
@@ -186,6 +194,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # refused unless the server runs with --trust-request-chat-template
+    chat_template: str | None = None
     # Tool calling (protocol_tools; serving_tools reads them).
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
@@ -217,6 +227,7 @@ class TokenizeRequest(BaseModel):
     # with `messages`: rendered through the chat template as the chat endpoint does
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -246,7 +257,10 @@ def parse_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # a size bound inside a union (a message's content parts) is the error
+        # to report, not the other member's "should be a string"
+        first = next((e for e in errors if e["type"] == "too_long"), errors[0])
         loc = first["loc"]
         param = str(loc[0]) if loc else None  # the rest names union members, not fields
         kind = first["type"]

@@ -28,6 +28,7 @@ from asyncllm.server.serving_base import (
 )
 from asyncllm.server.serving_tools import ToolPlan, ToolStream, constrain, plan_tools, tool_message
 from asyncllm.server.sse import DONE, ChunkRenderer, SSEResponse, error_event, run_until_disconnect
+from asyncllm.server.template_inputs import RequestTemplates, check_template_kwargs
 from asyncllm.server.token_text import TokenText
 from asyncllm.server.tool_parsers import get_tool_parser
 
@@ -45,18 +46,33 @@ class ChatServing(ServingBase):
         token_text: TokenText | None = None,
     ) -> None:
         super().__init__(engine, config, metrics, admission, token_text)
-        self.template = template
+        tok = engine.tokenizer
+        self.templates = RequestTemplates(template, config, tok.bos_token, tok.eos_token)
         self.tool_parser = get_tool_parser(config.tool_call_parser)
+
+    def template_inputs(
+        self, chat_template: str | None, kwargs: dict[str, Any] | None, tools: Any = None
+    ) -> tuple[ChatTemplate | None, dict[str, Any]]:
+        """The template a request renders with and the variables it adds: its
+        validated `tools` (None: none) and its checked `chat_template_kwargs`
+        (template_inputs); a 400 names what is refused."""
+        template = self.templates.template_for(chat_template)
+        extra = {"tools": tools} if tools else {}
+        extra.update(check_template_kwargs(kwargs, self.config))
+        return template, extra
 
     def render_prompt(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
+        template: ChatTemplate | None = None,
     ) -> str:
-        """The prompt text. The template writes the special tokens itself (BOS
-        included), so the tokenizer adds none. Pure: runs on a worker thread."""
-        if self.template is None:
+        """The prompt text, with `template` (None: the server's). The template
+        writes the special tokens itself (BOS included), so the tokenizer adds
+        none. Pure: runs on a worker thread."""
+        template = template or self.templates.default
+        if template is None:
             raise bad_request(
                 "this model has no chat template: start the server with --chat-template FILE, "
                 "or use /v1/completions",
@@ -64,7 +80,7 @@ class ChatServing(ServingBase):
             )
         try:
             dicts = prepare_messages([m.model_dump(exclude_none=True) for m in messages])
-            return self.template.render(dicts, add_generation_prompt, extra)
+            return template.render(dicts, add_generation_prompt, extra)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
 
@@ -73,10 +89,11 @@ class ChatServing(ServingBase):
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         extra: dict[str, Any] | None = None,
+        template: ChatTemplate | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered prompt and its ids, within the limits; off the event loop."""
         self.limits.check_messages(messages)
-        text = await off_loop(self.render_prompt, messages, add_generation_prompt, extra)
+        text = await off_loop(self.render_prompt, messages, add_generation_prompt, extra, template)
         self.limits.check_chars(len(text), "messages")
         return text, await self.encode(text, add_special_tokens=False)
 
@@ -84,9 +101,12 @@ class ChatServing(ServingBase):
         self.check_model(req.model)
         self.limits.check_sampling(req)
         plan = plan_tools(req, self.tool_parser)
-        extra = {"tools": plan.tools} if plan else {}
-        extra.update(req.chat_template_kwargs or {})
-        text, ids = await self.tokenize_messages(req.messages, req.add_generation_prompt, extra)
+        template, extra = self.template_inputs(
+            req.chat_template, req.chat_template_kwargs, plan.tools if plan else None
+        )
+        text, ids = await self.tokenize_messages(
+            req.messages, req.add_generation_prompt, extra, template
+        )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens_for(len(ids), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens)
