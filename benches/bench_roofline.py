@@ -4,21 +4,26 @@
         [--threads 2] [--batch 256] [--context 100] [--prefill 8x128] [--runs 3]
         [--compile] [--quick]
 
-The machine: torch.mm's rate at each of the model's matmul shapes (F.linear with the
-model's weight layout, the best of a few calls: a rate the machine demonstrably
-reaches), and memory read bandwidth (the best `sum` over a 256 MiB tensor).
+The machine, never one library call: at each of the model's matmul shapes the best
+of every kernel this install has (torch's F.linear, torch's prepacked oneDNN linear,
+the extension's rust kernel at up to 16 rows; the best of a few calls each: a rate
+the machine demonstrably reaches); the peak of the CPU's FMA units (the extension's
+timed FMA loop on the same threads); and memory read bandwidth (the extension's
+vector sum over a buffer 4x the last-level cache, at least 1 GiB, all threads). The
+header names the CPU, its ISA flags and the kernels the engine chose per shape.
 
 The bound of a step, per phase (a lower bound: each phase alone at the machine's
 measured speed, no overlap between phases assumed):
-  matmuls      the layers' q/k/v, o, gate/up and down projections: the measured time
-               of each at its shape (that time already covers reading the weights)
+  matmuls      the layers' q/k/v, o, gate/up and down projections: the best kernel's
+               time at each shape (that time already covers reading the weights);
+               beside it, the same FLOPs at the FMA peak
   attention    decode: the KV cache read once (batch x context x layers x 2 x
                kv_heads x head_dim x itemsize) at the bandwidth; prefill (causal,
                fresh prompts): its FLOPs at the best matmul rate measured
   elementwise  one pass over each fused op's inputs and outputs (the norms with
                their residual add, rotary in place on q and k, SiLU x up, the final
                norm, the embedding rows) at the bandwidth
-  lm_head      the measured matmul at (rows that sample, hidden, vocab)
+  lm_head      the best kernel at (rows that sample, hidden, vocab)
   sampling     one read of the float32 logits of the sampled rows (greedy argmax)
 The engine: the model runner's `execute_model` on the same shapes (requests placed
 with their context already in the KV cache, so a decode step at context C needs no
@@ -34,6 +39,8 @@ speed; the total row is the step's distance from its roofline.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import tempfile
 import time
@@ -67,16 +74,94 @@ def best_time(fn: Callable[[], Any], reps: int) -> float:
 
 
 def gemm_time(m: int, k: int, n: int, dtype: torch.dtype, reps: int) -> float:
-    """Seconds of F.linear([m, k], weight [n, k]) at its best."""
+    """Seconds of the fastest kernel for x [m, k] . weight [n, k]^T, at its best."""
+    from asyncllm.models.linear_kernels import (
+        RUST_MAX_ROWS,
+        onednn_available,
+        pack_onednn,
+        run_onednn,
+        run_rust,
+    )
+
     x = torch.randn(m, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
-    return best_time(lambda: F.linear(x, w), reps)
+    best = best_time(lambda: F.linear(x, w), reps)
+    if onednn_available():
+        packed = pack_onednn(w)
+        best = min(best, best_time(lambda: run_onednn(x, packed, None), reps))
+    if m <= RUST_MAX_ROWS:
+        threads = torch.get_num_threads()
+        best = min(best, best_time(lambda: run_rust(x, w, None, threads), reps))
+    return best
+
+
+_BUFFER: list[np.ndarray] = []
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size from sysfs (0 if unknown)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        best = max(best, int(text.rstrip("KMG")) * unit)
+    return best
 
 
 def read_bandwidth(reps: int) -> float:
-    """Bytes/s of a `sum` over a 256 MiB float32 tensor, at its best."""
-    x = torch.ones(64 << 20)
-    return x.numel() * 4 / best_time(lambda: x.sum(), reps)
+    """Bytes/s of the extension's all-threads vector sum over a buffer 4x the
+    last-level cache (at least 1 GiB; 64 MiB with --quick), at its best."""
+    from asyncllm import _core
+
+    if not _BUFFER:
+        size = 64 << 20 if QUICK else max(1 << 30, 4 * llc_bytes())
+        _BUFFER.append(np.ones(size // 4, dtype=np.float32))
+    data, threads = _BUFFER[0], torch.get_num_threads()
+    _core._read_bandwidth(data, threads)  # warm: page faults
+    return max(_core._read_bandwidth(data, threads) for _ in range(max(reps, 1)))
+
+
+def fma_peak() -> tuple[float, str]:
+    """FLOP/s of the CPU's FMA units on torch's thread count, and the ISA used."""
+    from asyncllm import _core
+
+    _core._fma_peak(torch.get_num_threads(), 1_000_000)  # warm: clocks up
+    runs = [_core._fma_peak(torch.get_num_threads(), 20_000_000) for _ in range(3)]
+    return max(r[0] for r in runs), runs[0][1]
+
+
+def machine_header() -> str:
+    """The CPU model, its relevant ISA flags, thread count and the kernel variants."""
+    from asyncllm import _core
+
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), model
+        )
+        flags = set(next((ln for ln in lines if ln.startswith("flags")), "").split())
+    except OSError:
+        pass
+    wanted = (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "avx_vnni",
+        "amx_bf16",
+        "amx_int8",
+    )
+    isa = " ".join(f for f in wanted if f in flags) or "none of AVX2/AVX-512/AMX"
+    return (
+        f"CPU {model}; {os.cpu_count()} CPUs; ISA {isa}; LLC {llc_bytes() >> 20} MiB; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; rust linear kernel "
+        f"{_core._linear_isa()}, attention {_core._kernel_isa('bfloat16')}"
+    )
 
 
 # --- the model's shapes --------------------------------------------------------
@@ -98,6 +183,12 @@ class Shapes:
         h, i = self.hidden, self.inter
         return [(m, h, q + 2 * kv), (m, q, h), (m, h, 2 * i), (m, i, h)]
 
+    def weight_bytes(self, itemsize: int) -> int:
+        """Bytes of weights a decode step reads: every layer's projections, the LM
+        head, one embedding row per token (negligible) and the norms."""
+        per_layer = sum(k * n for _, k, n in self.layer_gemms(1)) + 2 * self.hidden
+        return itemsize * (self.layers * per_layer + self.vocab * self.hidden + self.hidden)
+
     def elementwise_bytes(self, m: int, itemsize: int) -> int:
         """One pass over each fused elementwise op's inputs and outputs, per step."""
         h, i = self.hidden, self.inter
@@ -114,16 +205,18 @@ def bound(
     sample_rows: int,
     attn: tuple[str, int, int],
     reps: int,
-) -> dict[str, float]:
-    """The step's lower bound per phase, in seconds (see the module docstring).
+) -> tuple[dict[str, float], float]:
+    """The step's lower bound per phase, in seconds (see the module docstring), and
+    the layers' matmul FLOPs.
     `attn` = ("decode", batch, context) or ("prefill", num_prompts, prompt_len)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     rates = []
-    matmuls = 0.0
+    matmuls = flops_total = 0.0
     for m, k, n in s.layer_gemms(tokens):
         t = gemm_time(m, k, n, dtype, reps)
         rates.append(2 * m * k * n / t)
         matmuls += s.layers * t
+        flops_total += s.layers * 2 * m * k * n
     kind, a, b = attn
     if kind == "decode":
         kv_bytes = a * b * s.layers * 2 * s.kv_heads * s.head_dim * itemsize
@@ -138,7 +231,7 @@ def bound(
         "lm_head": gemm_time(sample_rows, s.hidden, s.vocab, dtype, reps),
         "sampling": sample_rows * s.vocab * 4 / bw,
         "other": 0.0,
-    }
+    }, flops_total
 
 
 # --- the engine ----------------------------------------------------------------
@@ -198,6 +291,7 @@ class _Timed:
         return out
 
 
+QUICK = False  # --quick: a small bandwidth buffer
 COMPILE = False  # --compile: the runner's fused layers (EngineArgs.compile)
 
 
@@ -301,39 +395,49 @@ def measure(
     s = Shapes(load_hf_config(model_dir))
     tdtype = getattr(torch, dtype)
     np_, plen = (int(x) for x in args.prefill.split("x"))
-    cases = [
-        ("decode", DecodeDriver(model_dir, dtype, args.batch, args.context, 16)),
-        ("prefill", PrefillDriver(model_dir, dtype, np_, plen, 16)),
+    cases: list[tuple[str, int, Any]] = [
+        ("decode", args.batch, DecodeDriver(model_dir, dtype, args.batch, args.context, 16)),
+        ("decode", 1, DecodeDriver(model_dir, dtype, 1, args.context, 16)),
+        ("prefill", np_, PrefillDriver(model_dir, dtype, np_, plen, 16)),
     ]
     rows = []
-    for phase, driver in cases:
+    peak, _ = fma_peak()
+    itemsize = torch.empty((), dtype=tdtype).element_size()
+    for phase, batch, driver in cases:
         driver.step()  # warm: first-call allocations, workspace growth
         engine_runs, bound_runs = [], []
         for _ in range(args.runs):
             bw = read_bandwidth(args.reps)
             if phase == "decode":
-                b = bound(
-                    s,
-                    tdtype,
-                    bw,
-                    args.batch,
-                    args.batch,
-                    ("decode", args.batch, args.context),
-                    args.reps,
+                b, flops = bound(
+                    s, tdtype, bw, batch, batch, ("decode", batch, args.context), args.reps
                 )
             else:
-                b = bound(s, tdtype, bw, np_ * plen, np_, ("prefill", np_, plen), args.reps)
+                b, flops = bound(s, tdtype, bw, np_ * plen, np_, ("prefill", np_, plen), args.reps)
             engine_runs.append(driver.step())
             b["total"] = sum(b.values())
             b["bandwidth"] = bw
+            b["weights_at_bw"] = s.weight_bytes(itemsize) / bw
+            b["matmuls_at_peak"] = flops / peak
             bound_runs.append(b)
-        row: dict[str, Any] = {"model": name, "dtype": dtype, "phase": phase}
+        row: dict[str, Any] = {
+            "model": name,
+            "dtype": dtype,
+            "phase": f"{phase} x{batch}",
+            "kernels": driver.runner.linear_kernels,
+            "peak_gflops": peak / 1e9,
+            "weights_at_bw_ms": 1e3 * median(r["weights_at_bw"] for r in bound_runs),
+            "matmuls_at_peak_ms": 1e3 * median(r["matmuls_at_peak"] for r in bound_runs),
+        }
         for key in (*PHASES, "total"):
             row[f"engine_{key}"] = 1e3 * median(r.get(key, 0.0) for r in engine_runs)
             row[f"bound_{key}"] = 1e3 * median(r[key] for r in bound_runs)
         row["bandwidth_gbs"] = median(r["bandwidth"] for r in bound_runs) / 1e9
         row["ratio_total"] = median(
             e["total"] / b["total"] for e, b in zip(engine_runs, bound_runs, strict=True)
+        )
+        row["ratio_weights"] = median(
+            e["total"] / b["weights_at_bw"] for e, b in zip(engine_runs, bound_runs, strict=True)
         )
         rows.append(row)
         print_rows([row])
@@ -347,6 +451,13 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             f"{r['bandwidth_gbs']:.1f} GB/s; engine / bound of the totals, per run: "
             f"median {r['ratio_total']:.2f})"
         )
+        print(
+            f"matmuls at the FMA peak ({r['peak_gflops']:.0f} GFLOP/s): "
+            f"{r['matmuls_at_peak_ms']:.2f} ms; every weight read once at the bandwidth: "
+            f"{r['weights_at_bw_ms']:.2f} ms (step / that: {r['ratio_weights']:.2f})"
+        )
+        kernels = "; ".join(f"{k} {_runs(v)}" for k, v in r["kernels"].items())
+        print(f"kernels chosen: {kernels or 'F.linear'}")
         print("| phase | engine ms | bound ms | engine / bound |")
         print("|---|---:|---:|---:|")
         for key in (*PHASES, "total"):
@@ -354,6 +465,12 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             ratio = f"{e / b:.2f}" if b > 0 else "-"
             print(f"| {key} | {e:.2f} | {b:.2f} | {ratio} |")
     sys.stdout.flush()
+
+
+def _runs(kernels: tuple[str, ...]) -> str:
+    from asyncllm.worker.linear_select import describe_kernels
+
+    return describe_kernels(kernels)
 
 
 def main() -> None:
@@ -372,17 +489,14 @@ def main() -> None:
     )
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = p.parse_args()
-    global COMPILE
-    COMPILE = args.compile
+    global COMPILE, QUICK
+    COMPILE, QUICK = args.compile, args.quick
     if args.quick:
         args.models, args.batch, args.context, args.prefill = ["micro"], 8, 20, "2x16"
         args.runs, args.reps = 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"compile {'on' if args.compile else 'off'}"
-    )
+    print(machine_header() + f"; compile {'on' if args.compile else 'off'}")
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="roofline-"))
     for name in args.models:
         model_dir = build_model(name, root)

@@ -12,10 +12,17 @@ Candidates (every combination; pinning only where it leaves a CPU to the front e
 
 For each, against `asyncllm serve` on the same model: end-to-end latency p50/p99 of
 short requests (32-word prompt, 16 tokens) one at a time and 8 at a time, and
-output tokens/s with 64 streams (64 tokens each); and offline (`LLM.generate`, the
-same 64 x 64, in-process front end) tokens/s. Rounds interleave the candidates, so
-load from elsewhere hits them alike; every figure is the median over rounds. The
-table ends with each column's best candidate.
+output tokens/s with 64 streams (64 tokens each); offline (`LLM.generate`, the
+same 64 x 64) tokens/s; and `AsyncLLM` used as a library, in-process (the core in a
+thread of the caller) and with its core process: 64 streams of 128 tokens, output
+tokens/s and inter-token latency p50/p99.
+
+`--library` measures only the library entry points, with each candidate and with
+no settings at all ("defaults": what `LLM()` and `AsyncLLM` pick by themselves),
+so the table shows whether the defaults match the best candidate.
+
+Rounds interleave the candidates, so load from elsewhere hits them alike; every
+figure is the median over rounds. The table ends with each column's best candidate.
 """
 
 from __future__ import annotations
@@ -132,6 +139,93 @@ def offline_run(model: Path, cand: Candidate, sizes: dict[str, int]) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
+def async_run(
+    model: Path, cand: Candidate | None, multiprocess: bool, sizes: dict[str, int]
+) -> dict[str, float]:
+    """`AsyncLLM` as a library: 64 concurrent streams (DELTA outputs), tokens/s and
+    the gaps between a stream's outputs. `cand` None: no thread settings."""
+    from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+
+    settings: dict[str, Any] = {}
+    if cand is not None:
+        settings = {
+            "num_threads": cand.threads,
+            "pin_threads": cand.pin and multiprocess,
+            "omp_wait_policy": "passive" if cand.passive else "inherit",
+        }
+    engine = AsyncLLM(EngineArgs(model=str(model), **settings), multiprocess=multiprocess)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=sizes["stream"],
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    gaps: list[float] = []
+    rng = random.Random(0)
+    vocab = engine.tokenizer.vocab_size
+
+    async def stream(i: int) -> int:
+        prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(32)]}
+        last, n = None, 0
+        async for out in engine.generate(prompt, params, request_id=f"s{i}"):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            n += len(out.outputs[0].token_ids)
+        return n
+
+    async def main() -> float:
+        await asyncio.gather(*(stream(-1 - i) for i in range(2)))  # warm
+        gaps.clear()
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(stream(i) for i in range(sizes["c64"])))
+        return sum(counts) / (time.perf_counter() - start)
+
+    try:
+        tps = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    gaps.sort()
+    return {
+        "tps": tps,
+        "itl_p50": 1e3 * gaps[len(gaps) // 2],
+        "itl_p99": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+    }
+
+
+def library_main(model: Path, cands: list[Candidate], rounds: int, sizes: dict[str, int]) -> None:
+    """`--library`: AsyncLLM in-process and multiprocess, each candidate and defaults."""
+    named: list[tuple[str, Candidate | None]] = [("defaults", None)]
+    named += [(c.name, c) for c in cands]
+    rows: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for name, cand in named:
+            for mp in (False, True):
+                res = async_run(model, cand, mp, sizes)
+                key = f"{'multiprocess' if mp else 'in-process'}: {name}"
+                for k, v in res.items():
+                    rows.setdefault(key, {}).setdefault(k, []).append(v)
+                print(
+                    f"round {r + 1} {key}: {res['tps']:.0f} tok/s, "
+                    f"itl p50 {res['itl_p50']:.1f} ms p99 {res['itl_p99']:.1f} ms"
+                )
+                sys.stdout.flush()
+    print("\n| AsyncLLM, 64 streams | tok/s | itl p50 ms | itl p99 ms | p99 / p50 | tok/s / best |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode in ("in-process", "multiprocess"):
+        med = {
+            k: {m: median(v) for m, v in r.items()} for k, r in rows.items() if k.startswith(mode)
+        }
+        best = max(m["tps"] for m in med.values())
+        for key, m in med.items():
+            print(
+                f"| {key} | {m['tps']:.0f} | {m['itl_p50']:.1f} | {m['itl_p99']:.1f} | "
+                f"{m['itl_p99'] / m['itl_p50']:.2f} | {m['tps'] / best:.2f} |"
+            )
+    sys.stdout.flush()
+
+
 COLUMNS = (
     ("c1_p50", "conc 1 p50 ms", min),
     ("c1_p99", "conc 1 p99 ms", min),
@@ -163,20 +257,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; figures are their medians")
     p.add_argument("--model-dir", default=None, help="where the benchmark model is built")
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    p.add_argument("--library", action="store_true", help="AsyncLLM as a library only")
     args = p.parse_args()
-    sizes = {"c1": 24, "c8": 48, "c64": 64, "out": 64}
+    sizes = {"c1": 24, "c8": 48, "c64": 64, "out": 64, "stream": 128}
     own_cpus = os.sched_getaffinity(0)
     cpus = len(own_cpus)
     cands = candidates(cpus)
     if args.quick:
         args.model, args.rounds = "micro", 1
-        sizes = {"c1": 2, "c8": 8, "c64": 8, "out": 4}
+        sizes = {"c1": 2, "c8": 8, "c64": 8, "out": 4, "stream": 4}
         cands = [Candidate(1, cpus > 1, True)]
     uptime = os.getloadavg()
     print(f"{cpus} CPUs, load average {uptime[0]:.2f} {uptime[1]:.2f} {uptime[2]:.2f}")
     rows: dict[Candidate, dict[str, list[float]]] = {c: {} for c in cands}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(args.model, Path(args.model_dir or tmp))
+        if args.library:
+            library_main(model, cands, args.rounds, sizes)
+            return
         for r in range(args.rounds):
             for cand in cands:
                 result: dict[str, Any] = serve_run(model, cand, sizes)

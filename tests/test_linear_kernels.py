@@ -69,7 +69,8 @@ for dtype in (torch.float32, torch.bfloat16):
     for m, k, n in ((1, 100, 70), (5, 300, 130), (9, 33, 65)):
         x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
         out = torch.empty(m, n, dtype=dtype)
-        bits = (lambda t: t.view(torch.int16).numpy()) if dtype == torch.bfloat16 else (lambda t: t.numpy())
+        def bits(t):
+            return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
         _core._linear(bits(out), bits(x), bits(w), None, 2)
         ref = F.linear(x.double(), w.double())
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()

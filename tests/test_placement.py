@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.config import EngineArgs, serving_placement
+from asyncllm.config import EngineArgs
 from asyncllm.errors import ConfigError
+from asyncllm.placement import placement
 
 
 def _core_pid(llm: LLM) -> int:
@@ -51,14 +52,64 @@ def test_placement_settings_are_checked(monkeypatch):
     assert (args.omp_wait_policy, args.pin_threads) == ("passive", True)
 
 
-def test_serving_placement_fills_only_what_the_user_left(monkeypatch):
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.mark.parametrize("entry", ["serve", "async"])
+def test_streaming_entry_points_fill_only_what_the_user_left(monkeypatch, entry):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    auto = serving_placement(EngineArgs())
+    cpus = _cpus()
+    auto = placement(EngineArgs(), entry)
     assert auto.num_threads == max(1, cpus - 1)
     assert auto.pin_threads is (cpus > 1)
-    mine = serving_placement(EngineArgs(num_threads=cpus, pin_threads=None))
+    mine = placement(EngineArgs(num_threads=cpus, pin_threads=None), entry)
     assert (mine.num_threads, mine.pin_threads) == (cpus, False)
-    assert serving_placement(EngineArgs(pin_threads=False)).pin_threads is False
+    assert placement(EngineArgs(pin_threads=False), entry).pin_threads is False
     parallel = EngineArgs(data_parallel_size=2)
-    assert serving_placement(parallel) == parallel
+    assert placement(parallel, entry) == parallel
+    # a core in a thread of this process cannot be pinned apart from it
+    in_thread = placement(EngineArgs(), entry, in_process=True)
+    assert (in_thread.num_threads, in_thread.pin_threads) == (max(1, cpus - 1), False)
+
+
+def test_offline_keeps_torchs_default_and_omp_num_threads_wins(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert placement(EngineArgs(), "offline") == EngineArgs()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert placement(EngineArgs(), "async") == EngineArgs()
+
+
+def test_cpu_bind_overrides_the_policy(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    last = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    bound = placement(EngineArgs(cpu_bind=str(last)), "offline")
+    assert (bound.num_threads, bound.pin_threads) == (1, True)
+    free = placement(EngineArgs(cpu_bind="nobind"), "serve")
+    assert (free.num_threads, free.pin_threads) == (None, False)
+    with pytest.raises(ConfigError, match="cpu_bind"):
+        EngineArgs(cpu_bind="0-")
+    with pytest.raises(ConfigError, match="cpu_bind"):
+        placement(EngineArgs(cpu_bind="4000"), "serve")
+    monkeypatch.setenv("ASYNCLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert EngineArgs().cpu_bind == "nobind"
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs CPU affinity and two CPUs",
+)
+def test_async_llm_by_default_leaves_the_front_end_a_cpu(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    from asyncllm import AsyncLLM
+
+    ours = os.sched_getaffinity(0)
+    engine = AsyncLLM(EngineArgs())
+    try:
+        pid = engine.client.process.pid
+        core = os.sched_getaffinity(pid)
+        assert len(core) == len(ours) - 1
+        assert os.sched_getaffinity(0) == ours - core
+    finally:
+        engine.shutdown()
+    assert os.sched_getaffinity(0) == ours

@@ -139,6 +139,11 @@ class EngineArgs:
     # ASYNCLLM_PIN_THREADS, ASYNCLLM_OMP_WAIT_POLICY.
     pin_threads: bool | None = field(default_factory=envs.pin_threads)
     omp_wait_policy: str = field(default_factory=envs.omp_wait_policy)
+    # Overrides the placement policy (asyncllm.placement; vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND): "auto" applies it, "nobind" pins nothing, a CPU
+    # list ("2-7", "0,2,4-5") runs the core on exactly those CPUs. Default:
+    # ASYNCLLM_CPU_OMP_THREADS_BIND.
+    cpu_bind: str = field(default_factory=envs.cpu_bind)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -217,6 +222,9 @@ class EngineArgs:
             _check_int("num_threads", self.num_threads, 1, 1024)
         if not isinstance(self.compile, bool):
             raise _fail("compile", self.compile, "a bool")
+        if not isinstance(self.cpu_bind, str):
+            raise _fail("cpu_bind", self.cpu_bind, "a string")
+        parse_cpu_list(self.cpu_bind)
         if self.linear_kernel not in LINEAR_KERNELS:
             raise _fail("linear_kernel", self.linear_kernel, " or ".join(map(repr, LINEAR_KERNELS)))
         if not isinstance(self.batch_invariant, bool):
@@ -422,25 +430,21 @@ def _config_dtype(hf_config: Any) -> str:
     return name if name in DTYPES else "float32"
 
 
-def serving_placement(args: EngineArgs) -> EngineArgs:
-    """`asyncllm serve`'s thread settings where the user gave none: the runner on all
-    CPUs but one, pinned apart from the front end, which keeps the other
-    (benches/bench_threads.py: on 2 CPUs, 1 pinned thread served single requests
-    15x faster than 2 spinning threads and 8x the tokens/s at 64 streams; README). Left
-    alone with data or tensor parallelism (the CPUs are shared out among cores or
-    ranks), with cores placed by Ray (on other nodes), or when OMP_NUM_THREADS says
-    how many."""
-    import os
-
-    if (
-        args.data_parallel_size > 1
-        or args.tensor_parallel_size > 1
-        or args.data_parallel_backend == "ray"
-        or (args.num_threads is None and os.environ.get("OMP_NUM_THREADS"))
-    ):
-        return args
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    threads = args.num_threads if args.num_threads is not None else max(1, cpus - 1)
-    pin = args.pin_threads if args.pin_threads is not None else threads < cpus
-    return dataclasses.replace(args, num_threads=threads, pin_threads=pin)
+def parse_cpu_list(spec: str) -> list[int] | None:
+    """The CPUs of a `cpu_bind` list such as "2-7" or "0,2,4-5"; None for "auto" and
+    "nobind". Raises ConfigError naming `cpu_bind` on anything else."""
+    if spec in ("auto", "nobind"):
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi if dash else lo)
+            if first < 0 or last < first or last >= 4096:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise _fail(
+            "cpu_bind", spec, "'auto', 'nobind' or a CPU list such as '2-7' or '0,2,4-5'"
+        ) from None
+    return sorted(cpus)

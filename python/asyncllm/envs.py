@@ -95,3 +95,9 @@ def batch_invariant() -> bool:
     """ASYNCLLM_BATCH_INVARIANT (default off; vLLM's VLLM_BATCH_INVARIANT): the
     default of `EngineArgs.batch_invariant`."""
     return _bool("ASYNCLLM_BATCH_INVARIANT", False)
+
+
+def cpu_bind() -> str:
+    """ASYNCLLM_CPU_OMP_THREADS_BIND (default "auto"; vLLM's VLLM_CPU_OMP_THREADS_BIND):
+    the default of `EngineArgs.cpu_bind` (checked there)."""
+    return os.environ.get("ASYNCLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto"

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncllm.config import EngineArgs
+from asyncllm.config import EngineArgs, parse_cpu_list
 from asyncllm.engine.ray_launcher import cluster_environment
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class CoreProcess:
             cmd, stdin=subprocess.PIPE, close_fds=True, env=core_environment(self._args)
         )
         if self._args.pin_threads:
-            self._unpinned = pin(self.proc.pid, self._args.num_threads)
+            bound = parse_cpu_list(self._args.cpu_bind)
+            self._unpinned = pin(self.proc.pid, self._args.num_threads, bound)
 
     @property
     def pid(self) -> int | None:
@@ -102,22 +103,28 @@ def core_environment(args: EngineArgs) -> dict[str, str]:
     return env
 
 
-def pin(core_pid: int, num_threads: int | None) -> set[int] | None:
-    """Pin the core to the last `num_threads` of our CPUs and this process (the
-    front end, the server) to the others; returns our CPUs before (restored at
-    stop), or None when nothing moved. Set on the core's first thread right after
-    the spawn, before its interpreter has started any other, so every thread it
-    makes (IO threads, the OpenMP team) inherits it. A no-op when the core would
-    get every CPU (or off Linux)."""
+def pin(
+    core_pid: int, num_threads: int | None, cpus_of_core: list[int] | None = None
+) -> set[int] | None:
+    """Pin the core to `cpus_of_core` (`cpu_bind`), else to the last `num_threads` of
+    our CPUs, and this process (the front end, the server) to the others; returns
+    our CPUs before (restored at stop), or None when nothing moved. Set on the
+    core's first thread right after the spawn, before its interpreter has started
+    any other, so every thread it makes (IO threads, the OpenMP team) inherits it.
+    A no-op when the core would get every CPU (or off Linux)."""
     if not hasattr(os, "sched_setaffinity"):
         logger.warning("pin_threads: this platform cannot set CPU affinity; not pinned")
         return None
     before = os.sched_getaffinity(0)
     cpus = sorted(before)
     n = num_threads or len(cpus)
-    if n >= len(cpus):
+    if cpus_of_core is not None:
+        core = [c for c in cpus if c in cpus_of_core]
+        front = [c for c in cpus if c not in cpus_of_core] or cpus
+    elif n >= len(cpus):
         return None
-    core, front = cpus[-n:], cpus[:-n]
+    else:
+        core, front = cpus[-n:], cpus[:-n]
     os.sched_setaffinity(core_pid, core)
     _set_process_affinity(set(front))
     logger.info("pinned the engine core to CPUs %s and the front end to %s", core, front)

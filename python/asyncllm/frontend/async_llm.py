@@ -40,6 +40,7 @@ from asyncllm.frontend.output_processor import OutputProcessor, ParentState
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import RequestOutput
+from asyncllm.placement import placement
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.tracing import Tracer, now_ns
 
@@ -68,6 +69,8 @@ class AsyncLLM:
     ) -> None:
         if multiprocess is None:
             multiprocess = envs.multiprocess()
+        # The front end streams while the model runs (asyncllm.placement).
+        args = placement(args, "async", in_process=not multiprocess)
         self.args = args
         self.tokenizer = Tokenizer(args.tokenizer or args.model)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -24,6 +24,7 @@ from asyncllm.frontend.input_processor import PromptType
 from asyncllm.frontend.llm_engine import LLMEngine
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import RequestOutput
+from asyncllm.placement import placement
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -42,9 +43,14 @@ class LLM:
     def __init__(
         self, model: str = DEFAULT_MODEL, multiprocess: bool | None = None, **engine_args: Any
     ) -> None:
-        self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         if multiprocess is None:
             multiprocess = envs.multiprocess()
+        # Offline: the front end idles during `generate` (asyncllm.placement).
+        self.engine_args = placement(
+            EngineArgs.from_kwargs(model=model, **engine_args),
+            "offline",
+            in_process=not multiprocess,
+        )
         self.engine = LLMEngine(self.engine_args, multiprocess=multiprocess)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._templates: dict[str | None, ChatTemplate] = {}

@@ -23,10 +23,10 @@ from asyncllm.config import (
     KV_CACHE_DTYPES,
     OMP_WAIT_POLICIES,
     EngineArgs,
-    serving_placement,
 )
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import AsyncLLMError, ConfigError
+from asyncllm.placement import placement
 
 ENGINE_HELP: dict[str, str] = {
     "tokenizer": "directory with tokenizer.json (default: the model directory)",
@@ -67,6 +67,9 @@ ENGINE_HELP: dict[str, str] = {
     " on disk), torch, onednn or rust (default: $ASYNCLLM_LINEAR_KERNEL, else auto)",
     "batch_invariant": "run every linear layer on the rust kernel, whose result for a row"
     " does not depend on the rows beside it (default: $ASYNCLLM_BATCH_INVARIANT, else off)",
+    "cpu_bind": "override the thread placement: auto (the policy), nobind (pin nothing),"
+    " or a CPU list such as 2-7 for the engine core (default:"
+    " $ASYNCLLM_CPU_OMP_THREADS_BIND, else auto)",
     "pin_threads": "pin the engine core's threads to the last --num-threads CPUs and the"
     " front end to the others (default: $ASYNCLLM_PIN_THREADS, else on for serve when"
     " that leaves the front end a CPU, off for generate)",
@@ -232,7 +235,7 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise SystemExit(f"asyncllm serve: {exc}") from None
     return run_server(
-        serving_placement(engine_args_from(ns)),
+        placement(engine_args_from(ns), "serve"),
         config,
         ns.host,
         ns.port,

@@ -29,6 +29,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -104,12 +105,13 @@ def select_linear_kernels(
         "linear kernels (%s, %d threads): %s",
         "batch-invariant" if batch_invariant else mode,
         num_threads,
-        "; ".join(f"{k} -> {_describe(v)}" for k, v in chosen.items()),
+        "; ".join(f"{k} -> {describe_kernels(v)}" for k, v in chosen.items()),
     )
     return chosen
 
 
-def _describe(kernels: tuple[str, ...]) -> str:
+def describe_kernels(kernels: tuple[str, ...]) -> str:
+    """Runs of buckets that share a kernel, as "1-8:rust,16-:onednn"."""
     runs: list[str] = []
     start = 0
     for i in range(1, len(kernels) + 1):
@@ -149,11 +151,11 @@ def _measure(
     with torch.inference_mode():
         for rows in BUCKETS:
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-            times["torch"].append(_time(lambda x=x: F.linear(x, w, bias)))
+            times["torch"].append(_time(partial(F.linear, x, w, bias)))
             if packed is not None:
-                times["onednn"].append(_time(lambda x=x: run_onednn(x, packed, bias)))
+                times["onednn"].append(_time(partial(run_onednn, x, packed, bias)))
             if rust_ok and rows <= RUST_MAX_ROWS:
-                times["rust"].append(_time(lambda x=x: run_rust(x, w, bias, num_threads)))
+                times["rust"].append(_time(partial(run_rust, x, w, bias, num_threads)))
     best = [min(t[i] for t in times.values() if len(t) > i) for i in range(len(BUCKETS))]
     plain = []
     for i in range(len(BUCKETS)):
