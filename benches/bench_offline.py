@@ -13,7 +13,9 @@ alike; "sampled/greedy" is the median of the per-pair ratios (issue 11's target:
 >= 0.95). transformers runs the same prompts in left-padded batches sorted by
 length (batch 64), generating each batch's longest output; only requested tokens
 count. `--overlap` adds the engine with overlap scheduling to the loop; its
-"overlap/serial" is the median of the per-pair ratios.
+"overlap/serial" is the median of the per-pair ratios. `--bf16` adds the engine in
+bfloat16 (weights, activations and KV cache) to the loop; its "bf16/fp32" is the
+median of the per-pair ratios against the float32 engine.
 """
 
 from __future__ import annotations
@@ -51,14 +53,19 @@ def workload(name: str, num: int, seed: int = 0) -> tuple[list[list[int]], list[
 
 
 def run_engine(
-    model_dir: Path, prompts, outs, sampling: str, async_scheduling: bool = False
+    model_dir: Path,
+    prompts,
+    outs,
+    sampling: str,
+    async_scheduling: bool = False,
+    dtype: str = "float32",
 ) -> dict:
     """The user's path: `LLM` with its engine core in its own process."""
     from asyncllm import LLM, SamplingParams
 
     with LLM(
         str(model_dir),
-        dtype="float32",
+        dtype=dtype,
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         async_scheduling=async_scheduling,
@@ -173,19 +180,27 @@ def run_transformers(model_dir: Path, prompts, outs, sampling: str, batch: int =
 
 
 def measure(
-    model_dir: Path, prompts, outs, repeats: int, with_hf: bool, overlap: bool = False
+    model_dir: Path,
+    prompts,
+    outs,
+    repeats: int,
+    with_hf: bool,
+    overlap: bool = False,
+    bf16: bool = False,
 ) -> list[dict]:
     """Greedy and sampled rows of one workload: the engine (and transformers, and the
     engine with overlap scheduling) alternating in one loop, so that load from
     elsewhere hits every system alike."""
     runs: dict[str, dict[str, list[dict]]] = {
-        k: {"eng": [], "hf": [], "overlap": []} for k in SAMPLING
+        k: {"eng": [], "hf": [], "overlap": [], "bf16": []} for k in SAMPLING
     }
     for _ in range(repeats):
         for sampling, r in runs.items():
             r["eng"].append(run_engine(model_dir, prompts, outs, sampling))
             if overlap:
                 r["overlap"].append(run_engine(model_dir, prompts, outs, sampling, True))
+            if bf16:
+                r["bf16"].append(run_engine(model_dir, prompts, outs, sampling, dtype="bfloat16"))
             if with_hf:
                 r["hf"].append(run_transformers(model_dir, prompts, outs, sampling))
     rows = []
@@ -202,6 +217,10 @@ def measure(
             row["overlap_over_serial"] = median(
                 o["tokens_per_s"] / e["tokens_per_s"] for o, e in pairs
             )
+        if r["bf16"]:
+            row["bf16_tok_s"] = median(x["tokens_per_s"] for x in r["bf16"])
+            pairs = zip(r["bf16"], r["eng"], strict=True)
+            row["bf16_over_fp32"] = median(b["tokens_per_s"] / e["tokens_per_s"] for b, e in pairs)
         steps = [x["decode_step_ms"] for x in r["eng"] if x["decode_step_ms"]]
         if steps:
             row["decode_step_ms"] = median(steps)
@@ -226,6 +245,7 @@ def main() -> None:
         action="store_true",
         help="also run the engine with overlap scheduling (async_scheduling), paired",
     )
+    ap.add_argument("--bf16", action="store_true", help="also run the engine in bfloat16, paired")
     ap.add_argument("--skip-floor", action="store_true", help="no paired engine/floor steps")
     ap.add_argument("--floor-repeats", type=int, default=15, help="paired engine/floor steps")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -252,6 +272,7 @@ def main() -> None:
                         args.repeats,
                         not args.skip_transformers,
                         args.overlap,
+                        args.bf16,
                     )
                     for row in found:
                         row.update(model=model_name, workload=wl, streams=streams)
@@ -272,11 +293,11 @@ def main() -> None:
     print(f"torch threads: {threads}; medians of {args.repeats} runs")
     print(
         "| model | workload | streams | sampling | asyncllm tok/s | transformers tok/s | ratio "
-        "| sampled/greedy | overlap tok/s | overlap/serial "
+        "| sampled/greedy | overlap tok/s | overlap/serial | bf16 tok/s | bf16/fp32 "
         "| decode step ms (all streams, core timers) "
         "| paired: engine step ms | floor ms | engine/floor |"
     )
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
 
         def f(key, fmt="{:.1f}", r=r):
@@ -286,7 +307,8 @@ def main() -> None:
             f"| {r['model']} | {r['workload']} | {r['streams']} | {r['sampling']} | "
             f"{f('engine_tok_s')} | {f('hf_tok_s')} | {f('ratio', '{:.2f}×')} | "
             f"{f('sampled_over_greedy', '{:.3f}')} | {f('overlap_tok_s')} | "
-            f"{f('overlap_over_serial', '{:.3f}')} | {f('decode_step_ms', '{:.2f}')} | "
+            f"{f('overlap_over_serial', '{:.3f}')} | {f('bf16_tok_s')} | "
+            f"{f('bf16_over_fp32', '{:.2f}')} | {f('decode_step_ms', '{:.2f}')} | "
             f"{f('engine_step_ms', '{:.2f}')} | "
             f"{f('floor_step_ms', '{:.2f}')} | {f('step_over_floor', '{:.3f}')} |"
         )

@@ -202,6 +202,8 @@ def library_main(model: Path, cands: list[Candidate], rounds: int, sizes: dict[s
     for r in range(rounds):
         for name, cand in named:
             for mp in (False, True):
+                if cand is not None and cand.pin and not mp:
+                    continue  # a core in a thread of this process cannot be pinned apart
                 res = async_run(model, cand, mp, sizes)
                 key = f"{'multiprocess' if mp else 'in-process'}: {name}"
                 for k, v in res.items():

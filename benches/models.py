@@ -32,6 +32,16 @@ MODELS = {
         num_key_value_heads=4,
         intermediate_size=1536,
     ),
+    # A 1B-shaped Llama (TinyLlama's shape): hidden 2048, 16 layers, 32 heads (dim 64),
+    # 8 KV heads, intermediate 5632, vocab 32000; 1.1 B parameters (4.4 GB in fp32)
+    "llama1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        head_dim=64,
+        num_key_value_heads=8,
+        intermediate_size=5632,
+    ),
     # Mixtral-style mixture of experts: hidden 256, 4 layers, 8 heads (dim 32), 4 KV
     # heads, 8 experts of intermediate 512 with 2 active per token, vocab 32000
     "moe": dict(
