@@ -2,8 +2,9 @@
 
 For every distinct (weight shape, dtype, bias) of the model and every row-count
 bucket (`models.linear_kernels.BUCKETS`), each available kernel is timed on the
-weight itself (the median of a few calls after a warm one: a few ms a shape), and
-the layout that serves the buckets best is chosen:
+weight itself (the best of 7 rounds that alternate the kernels, after a warm call:
+a few ms a shape, and load from elsewhere hits every kernel alike), and the layout
+that serves the buckets best is chosen:
 
     reordered   oneDNN for every bucket
     plain       per bucket the faster of torch's F.linear and the rust kernel
@@ -31,7 +32,6 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import torch
@@ -52,8 +52,8 @@ from asyncllm.models.linear_kernels import (
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
-REPS = 5
+CACHE_VERSION = 2
+REPS = 7
 
 
 def select_linear_kernels(
@@ -130,14 +130,19 @@ def _forced(mode: str, weight: torch.Tensor, tied: bool) -> tuple[str, ...]:
     return (mode,) * len(BUCKETS)
 
 
-def _time(fn: Callable[[], Any]) -> float:
-    fn()
-    times = []
+def _best_times(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Each candidate's best time over `REPS` rounds, the candidates alternating
+    within a round so that load from elsewhere hits them alike (the best time is
+    the one least disturbed: what the kernel does on this machine)."""
+    for fn in fns.values():
+        fn()  # warm: first-call allocations, oneDNN's primitive cache
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(REPS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def _measure(
@@ -145,27 +150,29 @@ def _measure(
 ) -> tuple[str, ...]:
     """The kernels per bucket for this weight, by timing each on it."""
     w = weight.detach()
-    times: dict[str, list[float]] = {"torch": [], "rust": [], "onednn": []}
     packed = pack_onednn(w) if onednn_available() and not tied else None
     rust_ok = rust_supports(w)
+    plain: list[tuple[str, float]] = []
+    onednn: list[float] = []
+    best: list[float] = []
     with torch.inference_mode():
         for rows in BUCKETS:
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-            times["torch"].append(_time(partial(F.linear, x, w, bias)))
+            fns: dict[str, Callable[[], Any]] = {"torch": partial(F.linear, x, w, bias)}
             if packed is not None:
-                times["onednn"].append(_time(partial(run_onednn, x, packed, bias)))
+                fns["onednn"] = partial(run_onednn, x, packed, bias)
             if rust_ok and rows <= RUST_MAX_ROWS:
-                times["rust"].append(_time(partial(run_rust, x, w, bias, num_threads)))
-    best = [min(t[i] for t in times.values() if len(t) > i) for i in range(len(BUCKETS))]
-    plain = []
-    for i in range(len(BUCKETS)):
-        rust = times["rust"][i] if i < len(times["rust"]) else float("inf")
-        plain.append(("rust", rust) if rust < times["torch"][i] else ("torch", times["torch"][i]))
+                fns["rust"] = partial(run_rust, x, w, bias, num_threads)
+            t = _best_times(fns)
+            best.append(min(t.values()))
+            plain.append(
+                min(((k, t[k]) for k in ("torch", "rust") if k in t), key=lambda kt: kt[1])
+            )
+            if packed is not None:
+                onednn.append(t["onednn"])
     plain_score = sum(t / b for (_, t), b in zip(plain, best, strict=True))
-    if packed is not None:
-        onednn_score = sum(t / b for t, b in zip(times["onednn"], best, strict=True))
-        if onednn_score < plain_score:
-            return ("onednn",) * len(BUCKETS)
+    if onednn and sum(t / b for t, b in zip(onednn, best, strict=True)) < plain_score:
+        return ("onednn",) * len(BUCKETS)
     return tuple(k for k, _ in plain)
 
 
