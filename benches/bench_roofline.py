@@ -39,6 +39,7 @@ speed; the total row is the step's distance from its roofline.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import sys
@@ -395,15 +396,22 @@ def measure(
     s = Shapes(load_hf_config(model_dir))
     tdtype = getattr(torch, dtype)
     np_, plen = (int(x) for x in args.prefill.split("x"))
-    cases: list[tuple[str, int, Any]] = [
-        ("decode", args.batch, DecodeDriver(model_dir, dtype, args.batch, args.context, 16)),
-        ("decode", 1, DecodeDriver(model_dir, dtype, 1, args.context, 16)),
-        ("prefill", np_, PrefillDriver(model_dir, dtype, np_, plen, 16)),
-    ]
+    makers: dict[str, tuple[str, int, Any]] = {
+        "decode": (
+            "decode",
+            args.batch,
+            lambda: DecodeDriver(model_dir, dtype, args.batch, args.context, 16),
+        ),
+        "decode1": ("decode", 1, lambda: DecodeDriver(model_dir, dtype, 1, args.context, 16)),
+        "prefill": ("prefill", np_, lambda: PrefillDriver(model_dir, dtype, np_, plen, 16)),
+    }
     rows = []
     peak, _ = fma_peak()
     itemsize = torch.empty((), dtype=tdtype).element_size()
-    for phase, batch, driver in cases:
+    for case in args.cases:
+        # one runner at a time: a large model's weights are held once
+        phase, batch, make = makers[case]
+        driver = make()
         driver.step()  # warm: first-call allocations, workspace growth
         engine_runs, bound_runs = [], []
         for _ in range(args.runs):
@@ -441,6 +449,8 @@ def measure(
         )
         rows.append(row)
         print_rows([row])
+        del driver  # before the next case's runner loads its own weights
+        gc.collect()
     return rows
 
 
@@ -481,6 +491,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256, help="decodes per step")
     p.add_argument("--context", type=int, default=100, help="tokens each decode attends to")
     p.add_argument("--prefill", default="8x128", help="prefill chunk: PROMPTSxLENGTH")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=["decode", "decode1", "prefill"],
+        choices=["decode", "decode1", "prefill"],
+        help="decode at --batch rows, decode of one row, a prefill chunk",
+    )
     p.add_argument("--runs", type=int, default=3, help="runs; every figure is their median")
     p.add_argument("--reps", type=int, default=3, help="calls per machine-rate measurement")
     p.add_argument("--model-dir", default=None, help="where the benchmark models are built")
