@@ -3,20 +3,20 @@
 //! from the checkpoint's layout (`W` is `[n, k]`, as `nn.Linear` keeps it).
 //!
 //! Why our own: at one to a few rows a linear layer is bound by reading its
-//! weights, and the library GEMMs are built for the compute-bound case (measured
-//! here: torch's bf16 `F.linear` of one row reads a 512 × 1,536 weight at under
-//! 1 GB/s). This kernel streams `W` once at the memory's speed.
+//! weights, and the library GEMMs are built for the compute-bound case; which of
+//! them is fastest at which row count differs from CPU to CPU, so the runner
+//! measures this kernel beside them (`asyncllm.worker.linear_select`).
 //!
 //! **One reduction order for every row count.** Each output element is the same
 //! computation whatever `m`, the thread count or the row's place in the batch:
-//! 32 float lanes over `k` in order, the lanes summed by a fixed tree, then the
+//! four vector accumulators over `k` in order, summed by a fixed tree, then the
 //! tail, then the bias. So a row computed alone and in a batch agree bit for bit
-//! (the batch-invariant mode relies on it; `tests.rs` checks it).
+//! (the batch-invariant mode relies on it; `tests_linear.rs` checks it).
 //!
-//! One source, compiled per instruction set: `dot_rows` is generic and inlined
-//! into a `#[target_feature]` wrapper per ISA (portable, AVX2 + FMA, AVX-512),
-//! which the auto-vectoriser turns into that ISA's vectors; the paths a machine
-//! cannot run are the same code as those it can.
+//! One source, compiled per instruction set: `columns` and `dot` are generic over
+//! the vector operations of `simd` (a few lines of intrinsics per ISA) and inlined
+//! into a `#[target_feature]` wrapper per ISA (portable, AVX2 + FMA, AVX-512); the
+//! paths a machine cannot run are the same code as those it can.
 
 use std::sync::{Mutex, PoisonError};
 
