@@ -155,9 +155,12 @@ def _measure(
     plain: list[tuple[str, float]] = []
     onednn: list[float] = []
     best: list[float] = []
+    # a generator of its own: measuring leaves torch's global random state (which
+    # the runner seeded) as it was
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in BUCKETS:
-            x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+            x = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
             fns: dict[str, Callable[[], Any]] = {"torch": partial(F.linear, x, w, bias)}
             if packed is not None:
                 fns["onednn"] = partial(run_onednn, x, packed, bias)
