@@ -25,7 +25,7 @@ from asyncllm.worker.input_batch import (
     I_TOP_K,
 )
 from asyncllm.worker.sampler_kernel import kernel_available, sample_cpu
-from asyncllm.worker.sampler_reference import masked_logits, random_probs, sample_torch
+from asyncllm.worker.sampler_torch import masked_logits, random_probs, sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
 from tiny_models import make_tiny_model
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncllm import LLM, EngineArgs, SamplingParams
-from asyncllm.server.cli import ENGINE_HELP, add_engine_args, engine_args_from, main
+from asyncllm.cli.args import ENGINE_HELP, add_engine_args, engine_args_from
+from asyncllm.cli.main import main
 from server_process import Server, get_text, http_status, post
 from tiny_models import make_tiny_model
 

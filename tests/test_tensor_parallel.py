@@ -123,7 +123,7 @@ def test_a_dead_rank_is_a_dead_engine_and_no_worker_outlives_the_core(llama_dir,
     """A killed worker, or a stopped one (no heartbeat for HANG_S: the watchdog
     kills it): the core (here in a thread of this process) fails every request.
     A killed core (its own process): its worker exits within 5 s."""
-    from asyncllm.executor.multiproc import HANG_S
+    from asyncllm.executor.abstract import HANG_S
 
     args = EngineArgs(model=str(llama_dir), dtype="float32", tensor_parallel_size=2)
 

@@ -168,7 +168,7 @@ def test_parsers_are_found_by_name():
 
 
 def test_serve_rejects_an_unknown_parser_before_starting(capsys):
-    from asyncllm.server.cli import main
+    from asyncllm.cli.main import main
 
     with pytest.raises(SystemExit, match="known parsers: hermes"):
         main(["serve", "--tool-call-parser", "nope"])

@@ -53,7 +53,7 @@ class EngineCore:
         if config.executor == "null":
             self.runner = NullModelRunner(config, hf_config)
         elif config.tensor_parallel_size > 1:  # rank 0 here, the others in workers
-            from asyncllm.executor.multiproc import build_tp_runner
+            from asyncllm.executor.factory import build_tp_runner
 
             self.runner = build_tp_runner(config, hf_config)
         else:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class TensorParallelDriver(Protocol):
-    """Rank 0's side of tensor parallelism (asyncllm.executor.multiproc)."""
+    """Rank 0's side of tensor parallelism (asyncllm.executor.abstract.TPExecutor)."""
 
     def join(self, num_blocks: int) -> int:
         """After this rank's shard is loaded: wait for the other ranks and return

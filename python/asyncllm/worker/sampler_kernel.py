@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from asyncllm import _core
-from asyncllm.worker.sampler_reference import SamplerOutput
+from asyncllm.worker.sampler_output import SamplerOutput
 from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
 from asyncllm.worker.structured import let_grammar_win
 

@@ -1,7 +1,7 @@
 """A step's sampling inputs, gathered from the persistent rows of `InputBatch`:
 one fancy index for the packed per-row parameters, plus sparse token lists for
 the few rows with penalties or a `min_tokens` mask. Both samplers read it: the
-CPU kernel (`sampler_kernel`) as is, the torch path (`sampler_reference`) after
+CPU kernel (`sampler_kernel`) as is, the torch path (`sampler_torch`) after
 densifying the token lists on the logits' device."""
 
 from __future__ import annotations
