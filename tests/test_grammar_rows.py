@@ -6,6 +6,7 @@ the mask its own matcher allows, as a fresh matcher fed the same tokens does."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -106,10 +107,13 @@ def test_jobs_run_in_order_off_the_callers_thread_and_equal_the_calls_they_repla
         compiler.advance(theirs, tokens)
         compiler.fill_bitmasks(theirs, want, [0, 1, 2])
         # the advance-and-fill, then a second fill of the same matchers queued behind it
+        queued = time.perf_counter()
         job = compiler.advance_fill(ours, tokens, ours, out, [2, 0, 4])
         again = compiler.advance_fill([], [], ours, out, [1, 3, 5])
         assert again.wait() == [] and job.wait() == []
-        assert job.run_seconds >= 0.0
+        waited = time.perf_counter() - queued
+        # the job ran, on the grammar thread, between its queuing and the wait's end
+        assert 0.0 < job.run_seconds <= waited
         assert np.array_equal(out[[2, 0, 4]], want), step
         assert np.array_equal(out[[1, 3, 5]], want), step
     # a matcher listed twice cannot be locked twice: the job fails, loudly

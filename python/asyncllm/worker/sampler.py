@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncllm.worker.input_batch import I_SEED, I_STREAM
-from asyncllm.worker.sampler_kernel import kernel_available, sample_cpu
+from asyncllm.worker.sampler_kernel import sample_cpu
 from asyncllm.worker.sampler_output import SamplerOutput
 from asyncllm.worker.sampler_torch import sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata
@@ -33,7 +33,7 @@ class Sampler:
         unseeded = md.params_i[:, I_STREAM] != 0
         if unseeded.any():
             md.params_i[unseeded, I_SEED] = self._engine_seed
-        if logits.device.type == "cpu" and kernel_available():
+        if logits.device.type == "cpu":
             return sample_cpu(logits, md)
         # rows without a finite maximum are logged when the host reads the step's
         # tokens (worker/in_flight.py), so that nothing here waits for the device

@@ -17,11 +17,6 @@ _NO_TOKENS = TokenLists(
 )
 
 
-def kernel_available() -> bool:
-    """False only with an extension built before the kernel existed."""
-    return hasattr(_core, "_sample")
-
-
 def _lists(lists: TokenLists | None, n: int) -> TokenLists:
     if lists is not None:
         return lists
