@@ -17,8 +17,8 @@ with a fresh matcher) are filled by a job queued after it. The mask of step N+1
 always follows the token of step N: the grammar thread runs its jobs in order, and
 nothing else touches a matcher meanwhile.
 
-Where to fill was measured on a 2-core box (benches/RESULTS.md, "constrained
-decoding within 10 %"): ahead of the step as here, then beside the forward pass,
+Where to fill was measured on a 2-core box (benches/history/2026-11-30_to_2026-12-01.md,
+"constrained decoding within 10 %"): ahead of the step as here, then beside the forward pass,
 then serially on the runner's thread before it, in that order. The fill runs
 serially on the grammar thread unless spare cores exist, since more threads only
 take the forward's cores from it. The sampler applies the masks as it reads each
