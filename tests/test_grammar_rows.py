@@ -1,4 +1,4 @@
-"""The runner's grammar rows (worker/structured.py): the masks filled ahead right
+"""The runner's grammar rows (structured_output/rows.py): the masks filled ahead right
 after a draw, the rows filled afterwards (a request new to sampling, one resumed
 with a fresh matcher) and the order of the step's rows all give each request
 the mask its own matcher allows, as a fresh matcher fed the same tokens does."""
@@ -13,8 +13,8 @@ import numpy as np
 from asyncllm import SamplingParams, StructuredOutputsParams
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.default_model import default_model_path
-from asyncllm.grammar_cache import GrammarCache
-from asyncllm.worker.structured import GrammarRows
+from asyncllm.structured_output.grammar_cache import GrammarCache
+from asyncllm.structured_output.rows import GrammarRows
 
 EOS = 2
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}}

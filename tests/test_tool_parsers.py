@@ -252,7 +252,7 @@ def test_required_schema_moves_defs_to_the_root():
 
 
 def test_plan_constrains_required_and_named_as_vllm():
-    from asyncllm.structured_outputs import StructuredOutputsParams
+    from asyncllm.structured_output.params import StructuredOutputsParams
 
     req = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
     params = constrain(req, plan_tools(req, HermesToolParser), SamplingParams(n=2))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.errors import ConfigError
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.params import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 _UINT64_MAX = 2**64 - 1

@@ -19,14 +19,14 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
-from asyncllm.grammar_cache import GrammarCache
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.models.hf_config import kv_window, longrope_original
+from asyncllm.structured_output.grammar_cache import GrammarCache
+from asyncllm.structured_output.rows import GrammarRows
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
 from asyncllm.worker.null_runner import NullModelRunner
-from asyncllm.worker.structured import GrammarRows
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner

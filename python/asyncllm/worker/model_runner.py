@@ -25,6 +25,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.messages import Logprobs
 from asyncllm.models.loader import load_model
+from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
 from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
@@ -36,7 +37,6 @@ from asyncllm.worker.sampler import Sampler
 from asyncllm.worker.sampler_output import SamplerOutput
 from asyncllm.worker.sampling_metadata import build_sampling_metadata
 from asyncllm.worker.step_inputs import StepInputs, gather_step_inputs
-from asyncllm.worker.structured import GrammarRows, StepMasks
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ import torch
 
 from asyncllm import _core
 from asyncllm.worker.sampler_output import SamplerOutput
-from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
-from asyncllm.worker.structured import let_grammar_win
+from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists, let_grammar_win
 
 _NO_TOKENS = TokenLists(
     np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)

@@ -31,8 +31,7 @@ from asyncllm.worker.input_batch import (
     I_TOP_K,
 )
 from asyncllm.worker.sampler_output import SamplerOutput
-from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
-from asyncllm.worker.structured import let_grammar_win
+from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists, let_grammar_win
 
 _NEG_INF = float("-inf")
 
