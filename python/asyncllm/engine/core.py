@@ -170,18 +170,21 @@ class EngineCore:
         """Schedule, run the model, and turn the sampled tokens into outputs: one
         entry per request that produced a token."""
         rec = self.recorder
-        if rec is not None:
-            t0 = rec.start_step()
+        if rec is not None:  # the one check while nothing is recorded
+            return self._recorded_step(rec)
         so = self.schedule()
-        if rec is not None:
-            t1 = rec.phase("schedule", t0, "execute")
+        return self.update(so, self.runner.execute_model(so).resolved())
+
+    def _recorded_step(self, rec: StepRecorder) -> StepOutputs:
+        """`step`, with its phases (schedule, execute, update) recorded."""
+        t0 = rec.start_step()
+        so = self.schedule()
+        t1 = rec.phase("schedule", t0, "execute")
         runner_out = self.runner.execute_model(so).resolved()
-        if rec is not None:
-            t2 = rec.phase("execute", t1, "update")
+        t2 = rec.phase("execute", t1, "update")
         out = self.update(so, runner_out)
-        if rec is not None:
-            n = so.total_num_scheduled_tokens
-            rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(out.req_ids))
+        n = so.total_num_scheduled_tokens
+        rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(out.req_ids))
         return out
 
     def schedule(self) -> SchedulerOutput:
