@@ -16,7 +16,7 @@ flat in the context, full attention grows with it.
 
 The kernel runs on torch's OpenMP team; `ASYNCLLM_KERNEL_POOL=rayon` runs it on a
 rayon pool of its own instead (read once per process: to compare the two, alternate
-processes, as benches/RESULTS.md does).
+processes, as the runs in benches/history/ do).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The CPU sampler kernel (rust/sampler, via asyncllm.worker.sampler_kernel) against
-the torch reference (asyncllm.worker.sampler_reference, the path CUDA takes), same
+the torch reference (asyncllm.worker.sampler_torch, the path CUDA takes), same
 process, same logits, interleaved.
 
     python benches/bench_sampler.py [--repeats 7] [--threads N] [--quick]
@@ -25,7 +25,7 @@ import torch
 
 from asyncllm.worker.input_batch import UNSEEDED_STREAM
 from asyncllm.worker.sampler_kernel import sample_cpu
-from asyncllm.worker.sampler_reference import sample_torch
+from asyncllm.worker.sampler_torch import sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata
 
 CASES = {

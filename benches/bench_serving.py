@@ -29,13 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import QUICK_HELP, build_model  # noqa: E402
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams  # noqa: E402
-from asyncllm.server.bench import (  # noqa: E402
-    RequestResult,
-    bench_serving,
-    make_prompt,
-    sampling_args,
-    summarize,
-)
+from asyncllm.cli.args import optional_sampling_args  # noqa: E402
+from asyncllm.cli.bench import RequestResult, bench_serving, make_prompt, summarize  # noqa: E402
 
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.95)}
 
@@ -68,7 +63,7 @@ async def in_process(model: Path, ns: argparse.Namespace) -> dict:  # type: igno
             max_tokens=ns.output_len,
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
-            **sampling_args(ns),
+            **optional_sampling_args(ns),
         )
         r = RequestResult()
         async with limit:
@@ -126,7 +121,7 @@ def main() -> None:
         port = free_port()
         for v in sampled.values():
             v.base_url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", str(model)]
+        cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(model)]
         proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"])
         http = {}
         try:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import free_port, wait_healthy  # noqa: E402
 from models import QUICK_HELP, build_model  # noqa: E402
 
-from asyncllm.server.bench import bench_serving  # noqa: E402
+from asyncllm.cli.bench import bench_serving  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def serving_ns(url: str, n: int, conc: int, input_len: int, output_len: int) -> 
 def serve_run(model: Path, cand: Candidate, sizes: dict[str, int]) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", str(model), "--port", str(port)]
+    cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(model), "--port", str(port)]
     proc = subprocess.Popen([*cmd, *cand.flags(), "--log-level", "warning"])
     try:
         wait_healthy(url, proc)

@@ -27,7 +27,7 @@ class Server:
         """`args` follow `asyncllm serve` (model, flags); the port is chosen here."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", *args]
+        cmd = [sys.executable, "-m", "asyncllm.cli", "serve", *args]
         cmd += ["--port", str(self.port)]
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()

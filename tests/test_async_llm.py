@@ -215,26 +215,34 @@ def test_invalid_requests_and_malformed_frames_fail_alone(model_dir):
     run(main())
 
 
-def test_kill_9_fails_every_stream_within_a_second(model_dir):
+def test_kill_9_fails_every_stream_with_the_cause(model_dir):
+    """Every running stream ends in EngineDeadError caused by the kill: after it,
+    before its tokens ran out, naming the signal's exit code."""
+
     async def main():
         engine = engine_for(model_dir, max_model_len=1024)
         long = SamplingParams(max_tokens=1000, ignore_eos=True)
         errors = []
+        running = [asyncio.Event() for _ in range(8)]
 
         async def consume(i):
+            count = 0
             try:
-                async for _ in engine.generate([1, 5 + i], long, f"s{i}"):
-                    pass
+                async for out in engine.generate([1, 5 + i], long, f"s{i}"):
+                    count = len(out.outputs[0].token_ids)
+                    running[i].set()
             except EngineDeadError as exc:
-                errors.append((time.monotonic(), exc))
+                errors.append((time.monotonic(), count, exc))
 
         tasks = [asyncio.create_task(consume(i)) for i in range(8)]
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running)), 60)
         killed_at = time.monotonic()
         os.kill(engine.client.process.pid, signal.SIGKILL)
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)  # a hang guard, not a speed bound
         assert len(errors) == 8
-        assert max(t for t, _ in errors) - killed_at < 1.0
+        for failed_at, count, exc in errors:
+            assert failed_at >= killed_at and count < 1000, (failed_at - killed_at, count)
+            assert "code -9" in str(exc), exc
         assert engine.errored and not engine.is_running
         with pytest.raises(EngineDeadError):
             await engine.check_health()
@@ -255,8 +263,9 @@ def test_hung_core_fails_health_check_within_timeout(model_dir):
             os.kill(pid, signal.SIGSTOP)
             start = time.monotonic()
             with pytest.raises(EngineDeadError, match="did not answer"):
-                await engine.check_health(timeout=1.0)
-            assert time.monotonic() - start < 2.0
+                await asyncio.wait_for(engine.check_health(timeout=1.0), 60)
+            # the check's own timeout ended it: it waited that long, not less
+            assert time.monotonic() - start >= 1.0
         finally:
             os.kill(pid, signal.SIGCONT)
             engine.shutdown()

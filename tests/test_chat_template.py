@@ -13,9 +13,7 @@ from typing import Any
 
 import pytest
 
-from asyncllm.errors import ConfigError
-from asyncllm.frontend.tokenizer import Tokenizer
-from asyncllm.server.chat_template import (
+from asyncllm.chat_template import (
     CHAT_TEMPLATE_FILE,
     ChatTemplate,
     ChatTemplateError,
@@ -23,6 +21,8 @@ from asyncllm.server.chat_template import (
     prepare_messages,
     resolve_template_source,
 )
+from asyncllm.errors import ConfigError
+from asyncllm.frontend.tokenizer import Tokenizer
 from conftest import tokenizer_dir
 from server_process import Server, post
 from tiny_models import make_tiny_model

@@ -182,7 +182,7 @@ def test_kv_cache_dtype_is_its_own_knob(model, kv, want):
 def test_kv_cache_dtype_has_a_cli_flag():
     import argparse
 
-    from asyncllm.server.cli import ENGINE_HELP, add_engine_args, engine_args_from
+    from asyncllm.cli.args import ENGINE_HELP, add_engine_args, engine_args_from
 
     assert "model's dtype" in ENGINE_HELP["kv_cache_dtype"]
     parser = argparse.ArgumentParser()

@@ -156,7 +156,7 @@ def test_a_directory_named_like_the_default_wins(tmp_path, monkeypatch):
 def test_cli_generate_without_a_model():
     env = {**os.environ, "ASYNCLLM_LOG_LEVEL": "WARNING"}
     proc = subprocess.run(
-        [sys.executable, "-m", "asyncllm.server.cli", "generate", "--prompt", "def add(a, b):"]
+        [sys.executable, "-m", "asyncllm.cli", "generate", "--prompt", "def add(a, b):"]
         + ["--max-tokens", "16", "--temperature", "0"],
         capture_output=True,
         text=True,

@@ -36,7 +36,7 @@ class GroupServer:
     def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "asyncllm.server.cli", "serve", str(model_dir)]
+        cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(model_dir)]
         cmd += ["--served-model-name", MODEL, "--port", str(self.port)]
         # The null executor paced at 20 ms a step: streams last a known while, on
         # however loaded a machine.

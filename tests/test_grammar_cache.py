@@ -7,8 +7,8 @@ import pytest
 
 from asyncllm.default_model import default_model_path
 from asyncllm.errors import InvalidRequestError
-from asyncllm.grammar_cache import GrammarCache
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.grammar_cache import GrammarCache
+from asyncllm.structured_output.params import StructuredOutputsParams
 
 
 def cache(**bounds: int) -> GrammarCache:

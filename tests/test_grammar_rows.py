@@ -1,4 +1,4 @@
-"""The runner's grammar rows (worker/structured.py): the masks filled ahead right
+"""The runner's grammar rows (structured_output/rows.py): the masks filled ahead right
 after a draw, the rows filled afterwards (a request new to sampling, one resumed
 with a fresh matcher) and the order of the step's rows all give each request
 the mask its own matcher allows, as a fresh matcher fed the same tokens does."""
@@ -6,14 +6,15 @@ the mask its own matcher allows, as a fresh matcher fed the same tokens does."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
 from asyncllm import SamplingParams, StructuredOutputsParams
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.default_model import default_model_path
-from asyncllm.grammar_cache import GrammarCache
-from asyncllm.worker.structured import GrammarRows
+from asyncllm.structured_output.grammar_cache import GrammarCache
+from asyncllm.structured_output.rows import GrammarRows
 
 EOS = 2
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}}
@@ -106,10 +107,13 @@ def test_jobs_run_in_order_off_the_callers_thread_and_equal_the_calls_they_repla
         compiler.advance(theirs, tokens)
         compiler.fill_bitmasks(theirs, want, [0, 1, 2])
         # the advance-and-fill, then a second fill of the same matchers queued behind it
+        queued = time.perf_counter()
         job = compiler.advance_fill(ours, tokens, ours, out, [2, 0, 4])
         again = compiler.advance_fill([], [], ours, out, [1, 3, 5])
         assert again.wait() == [] and job.wait() == []
-        assert job.run_seconds >= 0.0
+        waited = time.perf_counter() - queued
+        # the job ran, on the grammar thread, between its queuing and the wait's end
+        assert 0.0 < job.run_seconds <= waited
         assert np.array_equal(out[[2, 0, 4]], want), step
         assert np.array_equal(out[[1, 3, 5]], want), step
     # a matcher listed twice cannot be locked twice: the job fails, loudly

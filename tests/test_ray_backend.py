@@ -160,16 +160,15 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
             actor = ray.get_actor(worker["Name"], namespace=NAMESPACE)
             pid = ray.get(actor.pid.remote())  # the worker process (this machine here)
             ray.kill(actor, no_restart=True)
-            t0 = time.monotonic()
+            # a hang guard: unfailed, the streams would run for minutes
             results = await asyncio.wait_for(
-                asyncio.gather(*tasks, return_exceptions=True), timeout=15
+                asyncio.gather(*tasks, return_exceptions=True), timeout=60
             )
-            assert time.monotonic() - t0 < 3.0  # 1 s, with slack for a busy 2-CPU box
             assert all(isinstance(r, EngineDeadError) for r in results), results
             assert "tensor-parallel rank 1" in str(results[0])
             assert "Ray actor" in str(results[0])
             assert not engine.is_running
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30  # a bound on "outlived", not a speed
             while alive(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             assert not alive(pid), "a worker outlived its Ray actor"
@@ -237,10 +236,9 @@ def test_only_the_cores_key_gets_in_and_a_killed_core_is_the_engines_death(model
             task = asyncio.create_task(stream_length(engine, [7, 8], "long", long))
             await asyncio.sleep(0.3)
             os.kill(process.pid, signal.SIGKILL)
-            t0 = time.monotonic()
+            # a hang guard: unfailed, the stream would run for minutes
             with pytest.raises(EngineDeadError):
-                await asyncio.wait_for(task, timeout=10)
-            assert time.monotonic() - t0 < 5
+                await asyncio.wait_for(task, timeout=60)
             assert not engine.is_running
         finally:
             ctx.destroy(linger=0)

@@ -24,12 +24,10 @@ from asyncllm.worker.input_batch import (
     I_SEED,
     I_TOP_K,
 )
-from asyncllm.worker.sampler_kernel import kernel_available, sample_cpu
-from asyncllm.worker.sampler_reference import masked_logits, random_probs, sample_torch
+from asyncllm.worker.sampler_kernel import sample_cpu
+from asyncllm.worker.sampler_torch import masked_logits, random_probs, sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
 from tiny_models import make_tiny_model
-
-pytestmark = pytest.mark.skipif(not kernel_available(), reason="extension without _sample")
 
 SEED = 20261201
 
@@ -326,12 +324,12 @@ def test_seeded_requests_through_the_engine(llama_dir):
     by_kernel = tokens(llm.generate(ps[:4], plain, use_tqdm=False))
     import asyncllm.worker.sampler as sampler_mod
 
-    original = sampler_mod.kernel_available
-    sampler_mod.kernel_available = lambda: False  # type: ignore[assignment]
+    original = sampler_mod.sample_cpu
+    sampler_mod.sample_cpu = sample_torch  # the CPU's calls go to the torch sampler
     try:
         by_torch = tokens(llm.generate(ps[:4], plain, use_tqdm=False))
     finally:
-        sampler_mod.kernel_available = original  # type: ignore[assignment]
+        sampler_mod.sample_cpu = original
     assert by_torch == by_kernel
     # a fresh engine (another run) and one that must preempt give the same tokens
     preempting = LLM(

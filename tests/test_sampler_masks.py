@@ -12,11 +12,9 @@ from test_sampler import make_md
 
 from asyncllm import _core
 from asyncllm.worker.input_batch import F_MIN_P, F_TEMPERATURE, I_GREEDY, I_NUM_LOGPROBS, I_TOP_K
-from asyncllm.worker.sampler_kernel import kernel_available, sample_cpu
-from asyncllm.worker.sampler_reference import sample_torch
+from asyncllm.worker.sampler_kernel import sample_cpu
+from asyncllm.worker.sampler_torch import sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
-
-pytestmark = pytest.mark.skipif(not kernel_available(), reason="extension without _sample")
 
 VOCAB = 3000  # not a multiple of 32: the last word is partial
 

@@ -220,19 +220,24 @@ def test_block_hashes_follow_generated_tokens():
     assert other.block_hashes == req.block_hashes
 
 
-def test_queue_time_observed_once_per_request_at_first_admission():
-    import time
+def test_queue_time_observed_once_per_request_at_first_admission(monkeypatch):
+    import types
 
+    import asyncllm.core.scheduler as scheduler_module
+
+    # the scheduler's clock, stopped: queue times are exact
+    now = 1_000_000.0
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(time=lambda: now))
     sched = make_scheduler(num_blocks=6, budget=64)
     for rid in ("a", "b"):
         req = make_request(rid, [1] * 8, max_tokens=8)
-        req.arrival_time = time.time() - 2.0  # arrived two seconds ago
+        req.arrival_time = now - 2.25  # arrived 2.25 s ago
         sched.add_request(req)
     while sched.has_unfinished_requests():
         run_step(sched)
     assert sched.num_preemptions >= 1  # a preempted request is not counted again
     hist = sched.queue_time
     assert hist.count == 2
-    assert 4.0 <= hist.sum < 6.0
+    assert hist.sum == 4.5  # each counted once, at its first admission
     assert hist.cumulative()[-1] == 2
     assert hist.cumulative()[5] == 0 and hist.cumulative()[6] == 2  # in the (2.0, 2.5] bucket

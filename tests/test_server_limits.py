@@ -383,7 +383,7 @@ def _stream_completion(server: Server, body: dict) -> tuple[str, dict, str]:
 
 def test_bad_limit_flags_are_refused():
     out = subprocess.run(
-        [sys.executable, "-m", "asyncllm.server.cli", "serve", "--max-n", "0"],
+        [sys.executable, "-m", "asyncllm.cli", "serve", "--max-n", "0"],
         capture_output=True,
         text=True,
         timeout=60,

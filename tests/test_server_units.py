@@ -84,7 +84,7 @@ def test_every_limit_is_a_documented_flag():
     import argparse
     import dataclasses
 
-    from asyncllm.server.cli import add_limit_args
+    from asyncllm.cli.args import add_limit_args
     from asyncllm.server.config import LIMIT_HELP
 
     base = {

@@ -23,7 +23,7 @@ from asyncllm import (
     StructuredOutputsParams,
 )
 from asyncllm.default_model import default_model_path
-from asyncllm.grammar_cache import GrammarCache
+from asyncllm.structured_output.grammar_cache import GrammarCache
 
 
 def constrained(seed: int, max_tokens: int = 64, **so) -> SamplingParams:
@@ -311,8 +311,7 @@ def test_http_response_format_and_structured_outputs(tmp_path):
 def test_the_ban_is_lifted_only_where_the_grammar_allows_nothing_else():
     """Both samplers' rule (let_grammar_win): a row's min_tokens ban goes only where
     its grammar allows no token outside it; other rows keep theirs."""
-    from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
-    from asyncllm.worker.structured import let_grammar_win
+    from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists, let_grammar_win
 
     eos, other, words = 2, 40, 4
     bitmask = np.zeros((3, words), dtype=np.int32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncllm import ConfigError
-from asyncllm.structured_outputs import MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutputsParams
+from asyncllm.structured_output.params import MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutputsParams
 
 
 def test_each_kind_and_its_spec():

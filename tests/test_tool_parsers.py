@@ -168,7 +168,7 @@ def test_parsers_are_found_by_name():
 
 
 def test_serve_rejects_an_unknown_parser_before_starting(capsys):
-    from asyncllm.server.cli import main
+    from asyncllm.cli.main import main
 
     with pytest.raises(SystemExit, match="known parsers: hermes"):
         main(["serve", "--tool-call-parser", "nope"])
@@ -252,7 +252,7 @@ def test_required_schema_moves_defs_to_the_root():
 
 
 def test_plan_constrains_required_and_named_as_vllm():
-    from asyncllm.structured_outputs import StructuredOutputsParams
+    from asyncllm.structured_output.params import StructuredOutputsParams
 
     req = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
     params = constrain(req, plan_tools(req, HermesToolParser), SamplingParams(n=2))

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from asyncllm import EngineArgs, SamplingParams
+from asyncllm.cli.main import main
 from asyncllm.engine.core import build_engine_core
 from asyncllm.errors import ConfigError
 from asyncllm.messages import EngineCoreRequest
-from asyncllm.server.cli import main
 from asyncllm.tracing import Tracer, now_ns
 from server_process import Server, post
 from tiny_models import make_tiny_model
@@ -34,7 +34,7 @@ MAX_TOKENS = 12
 
 # The core's phases, in the order they run, and where each one nests.
 STEP_PHASES = ["schedule", "execute", "update"]
-EXECUTE_PHASES = ["prepare_inputs", "forward", "sampling"]
+EXECUTE_PHASES = ["prepare_inputs", "forward", "logits", "sample", "outputs"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,7 @@ from asyncllm.errors import (
 )
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 

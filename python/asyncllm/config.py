@@ -113,7 +113,7 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     # torch's threads in the engine core (the model and the sampler kernel). None:
     # torch's default (one per physical core), shared out among data-parallel cores;
-    # `asyncllm serve` makes it all CPUs but one (`serving_placement`).
+    # `asyncllm serve` and `AsyncLLM` make it all CPUs but one (asyncllm.placement).
     num_threads: int | None = None
     # Fused layers: torch.compile (inductor) the elementwise work between the
     # matmuls (asyncllm.worker.compile); kernels are cached on disk across runs.
@@ -132,7 +132,7 @@ class EngineArgs:
     # Placement (engine/launcher.py; measured in benches/bench_threads.py, README):
     # pin the engine core's threads to the last `num_threads` CPUs and the front end
     # to the others (None: on for `asyncllm serve` where that leaves the front end a
-    # CPU, see `serving_placement`; off otherwise); and the OpenMP wait policy of
+    # CPU, see asyncllm.placement; off otherwise); and the OpenMP wait policy of
     # the core's torch threads ("passive": sleep at once, leaving the CPU to the
     # front end and IO threads; "active": spin; "inherit": the environment's
     # OMP_WAIT_POLICY, else libgomp's spin-then-sleep). Defaults:

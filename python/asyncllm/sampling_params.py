@@ -6,10 +6,12 @@ Names and meanings follow vLLM's `SamplingParams` so its users feel at home.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm.errors import ConfigError
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.params import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 _UINT64_MAX = 2**64 - 1
@@ -64,19 +66,11 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _require(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens",
-            self.max_tokens,
-            "None or an integer >= 1",
-        )
-        _require(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
-            "min_tokens",
-            self.min_tokens,
-            "an integer >= 0",
-        )
+        for rule in _RULES:  # each field's own constraint, as declared below
+            value = getattr(self, rule.name)
+            if not rule.check(value):
+                shown = value if rule.shown is None else rule.shown(value)
+                _require(False, rule.name, shown, rule.allowed)
         if self.max_tokens is not None:
             _require(
                 self.min_tokens <= self.max_tokens,
@@ -84,81 +78,8 @@ class SamplingParams:
                 self.min_tokens,
                 f"<= max_tokens ({self.max_tokens})",
             )
-        _require(
-            _is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-            "temperature",
-            self.temperature,
-            "a number in [0, 100] (0 means greedy)",
-        )
-        _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _require(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
-            "top_k",
-            self.top_k,
-            "an integer >= 1, or 0 / -1 to disable",
-        )
-        _require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _require(
-            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= _UINT64_MAX),
-            "seed",
-            self.seed,
-            "None or an integer in [0, 2**64 - 1]",
-        )
         self.stop_strings = _normalise_stop(self.stop)
-        _require(
-            self.stop_token_ids is None
-            or (
-                isinstance(self.stop_token_ids, list | tuple)
-                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
-            ),
-            "stop_token_ids",
-            self.stop_token_ids,
-            "None or a list of non-negative token ids",
-        )
         self.stop_token_ids = list(self.stop_token_ids or [])
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _require(
-                value is None or (_is_int(value) and 0 <= value <= _MAX_LOGPROBS),
-                name,
-                value,
-                f"None or an integer in [0, {_MAX_LOGPROBS}]",
-            )
-        _require(
-            _is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-            "repetition_penalty",
-            self.repetition_penalty,
-            "in (0, 10] (1 means no penalty)",
-        )
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            _require(_is_num(value) and -2.0 <= value <= 2.0, name, value, "in [-2, 2]")
-        for name in (
-            "include_stop_str_in_output",
-            "ignore_eos",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-        ):
-            value = getattr(self, name)
-            _require(isinstance(value, bool), name, value, "a bool")
-        _require(
-            self.cache_salt is None
-            or (
-                isinstance(self.cache_salt, str)
-                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
-                and _encodable(self.cache_salt)
-            ),
-            "cache_salt",
-            _clip(self.cache_salt),
-            f"None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
-        )
-        _require(
-            self.structured_outputs is None
-            or isinstance(self.structured_outputs, StructuredOutputsParams),
-            "structured_outputs",
-            _clip(repr(self.structured_outputs)),
-            "None or a StructuredOutputsParams",
-        )
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
@@ -228,3 +149,94 @@ def _normalise_stop(stop: str | list[str] | None) -> list[str]:
             "or a list of non-empty strings"
         )
     return list(stop)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    """One field's constraint: `check(value)` holds, else ConfigError saying the
+    value must be `allowed` (the value shown through `shown`, when given)."""
+
+    name: str
+    check: Callable[[Any], bool]
+    allowed: str
+    shown: Callable[[Any], object] | None = None
+
+
+def _token_ids(value: object) -> bool:
+    return value is None or (
+        isinstance(value, list | tuple) and all(_is_int(t) and t >= 0 for t in value)
+    )
+
+
+def _salt(value: object) -> bool:
+    return value is None or (
+        isinstance(value, str) and 0 < len(value) <= MAX_CACHE_SALT_CHARS and _encodable(value)
+    )
+
+
+def _logprobs_rule(name: str) -> _Rule:
+    return _Rule(
+        name,
+        lambda v: v is None or (_is_int(v) and 0 <= v <= _MAX_LOGPROBS),
+        f"None or an integer in [0, {_MAX_LOGPROBS}]",
+    )
+
+
+def _penalty_rule(name: str) -> _Rule:
+    return _Rule(name, lambda v: _is_num(v) and -2.0 <= v <= 2.0, "in [-2, 2]")
+
+
+def _bool_rule(name: str) -> _Rule:
+    return _Rule(name, lambda v: isinstance(v, bool), "a bool")
+
+
+# Every field's own constraint, checked in this order by `__post_init__` (the one
+# constraint between fields, min_tokens <= max_tokens, is checked after them).
+_RULES: tuple[_Rule, ...] = (
+    _Rule("n", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    _Rule("max_tokens", lambda v: v is None or (_is_int(v) and v >= 1), "None or an integer >= 1"),
+    _Rule("min_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    _Rule(
+        "temperature",
+        lambda v: _is_num(v) and 0.0 <= v <= 100.0,
+        "a number in [0, 100] (0 means greedy)",
+    ),
+    _Rule("top_p", lambda v: _is_num(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    _Rule(
+        "top_k",
+        lambda v: _is_int(v) and (v == -1 or v >= 0),
+        "an integer >= 1, or 0 / -1 to disable",
+    ),
+    _Rule("min_p", lambda v: _is_num(v) and 0.0 <= v <= 1.0, "in [0, 1]"),
+    _Rule(
+        "seed",
+        lambda v: v is None or (_is_int(v) and 0 <= v <= _UINT64_MAX),
+        "None or an integer in [0, 2**64 - 1]",
+    ),
+    _Rule("stop_token_ids", _token_ids, "None or a list of non-negative token ids"),
+    _logprobs_rule("logprobs"),
+    _logprobs_rule("prompt_logprobs"),
+    _Rule(
+        "repetition_penalty",
+        lambda v: _is_num(v) and 0.0 < v <= 10.0,
+        "in (0, 10] (1 means no penalty)",
+    ),
+    _penalty_rule("frequency_penalty"),
+    _penalty_rule("presence_penalty"),
+    _bool_rule("include_stop_str_in_output"),
+    _bool_rule("ignore_eos"),
+    _bool_rule("skip_special_tokens"),
+    _bool_rule("spaces_between_special_tokens"),
+    _Rule(
+        "cache_salt",
+        _salt,
+        f"None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+        shown=_clip,
+    ),
+    _Rule(
+        "structured_outputs",
+        lambda v: v is None or isinstance(v, StructuredOutputsParams),
+        "None or a StructuredOutputsParams",
+        shown=lambda v: _clip(repr(v)),
+    ),
+)

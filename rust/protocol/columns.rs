@@ -1,13 +1,14 @@
 //! An output batch decoded into columns: one allocation per column instead of
 //! one per request, which is what the per-step hot path of the front end wants
 //! (the Python `OutputBatch` view wraps this). `decode` builds the owned
-//! `OutputBatch` from the same parse, so there is one reader of the layout.
+//! `OutputBatch` from the same parse, so there is one reader of the layout; the
+//! compound fields' readers are `fields.rs`'s.
 
-use super::decode::{
-    read_finish_reason, read_opt_logprobs, read_stats, LOGPROBS_PATHS, PROMPT_LOGPROBS_PATHS,
-};
 use super::encode::{OUTPUT_BATCH_FIELDS, REQUEST_OUTPUT_FIELDS};
 use super::error::{WireError, WireResult};
+use super::fields::{
+    read_finish_reason, read_opt_logprobs, read_stats, LOGPROBS_PATHS, PROMPT_LOGPROBS_PATHS,
+};
 use super::frame::split_frame;
 use super::messages::{
     FinishReason, Logprobs, MessageType, OutputBatch, RequestOutput, SchedulerStats,

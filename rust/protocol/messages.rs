@@ -89,7 +89,7 @@ pub struct StructuredSpec {
     pub spec: String,
 }
 
-/// The constraint kinds (`asyncllm.structured_outputs.KINDS`).
+/// The constraint kinds (`asyncllm.structured_output.params.KINDS`).
 pub const STRUCTURED_KINDS: [&str; 5] = ["json", "regex", "choice", "grammar", "json_object"];
 
 /// The most bytes a constraint's spec may take on the wire: above what the

@@ -33,6 +33,7 @@ mod columns;
 mod decode;
 mod encode;
 mod error;
+mod fields;
 mod frame;
 mod messages;
 mod reader;

@@ -1,6 +1,6 @@
 //! The CPU sampler: one call per step samples every row of a `[rows, vocab]`
 //! f32 logits matrix. Pure Rust (no pyo3): `py::sampler` is its binding and
-//! `asyncllm.worker.sampler_reference` the torch code whose semantics it keeps.
+//! `asyncllm.worker.sampler_torch` the torch code whose semantics it keeps.
 //!
 //! Per row, reading the logits in place (never copying the row):
 //! - `min_tokens` bans (-inf) and repetition/frequency/presence penalties are a

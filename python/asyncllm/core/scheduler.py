@@ -23,6 +23,19 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 
 
+class _Plan:
+    """The step's plan while `schedule` builds it."""
+
+    __slots__ = ("budget", "num_scheduled", "new_block_ids", "new_reqs", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens left this step
+        self.num_scheduled: dict[int, int] = {}
+        self.new_block_ids: dict[int, list[int]] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.preempted: set[int] = set()
+
+
 class Scheduler:
     def __init__(
         self,
@@ -91,30 +104,54 @@ class Scheduler:
     # -- the step -------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        kv = self.kv_cache
-        num_scheduled: dict[int, int] = {}
-        new_block_ids: dict[int, list[int]] = {}
-        new_reqs: list[NewRequestData] = []
-        preempted: set[int] = set()
-        windowed = self._windowed
+        """The next step's plan: running requests first (oldest first; the newest
+        are preempted when blocks run out), then waiting ones in order while the
+        token budget, the seats and the blocks last, unless this step preempted."""
+        plan = _Plan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            new_reqs=plan.new_reqs,
+            new_block_ids=plan.new_block_ids,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
+            finished_req_ids=finished,
+            preempted_req_ids=plan.preempted,
+        )
 
-        # 1. Running requests, oldest first; the newest are preempted when needed.
+    def _schedule_all_decodes(self, plan: _Plan) -> bool:
+        """Fast path, when every running request decodes one token: only requests
+        whose computed tokens fill their blocks exactly need a block (a block table
+        holds exactly ceil(num_computed_tokens / block_size) blocks after every
+        step). False when it does not apply or the blocks are not there."""
         running = self.running
+        if not self._all_decode or len(running) > plan.budget:
+            return False
+        kv = self.kv_cache
+        bs = kv.block_size
+        live = self._decodes(running)
+        need = [r for r in live if not r.num_computed_tokens % bs]
+        added_ids = kv.allocate_decode_blocks(need) if need else {}
+        if added_ids is None:
+            return False
+        plan.new_block_ids = added_ids
+        plan.num_scheduled = dict.fromkeys([r.request_id for r in live], 1)
+        plan.budget -= len(live)
+        return True
+
+    def _schedule_running(self, plan: _Plan) -> None:
+        """Each running request's next tokens (a prompt chunk or one decode),
+        preempting the newest requests when the blocks run out."""
+        running = self.running
+        if self._schedule_all_decodes(plan):
+            self._all_running_scheduled = True
+            return
+        kv = self.kv_cache
+        windowed = self._windowed
+        budget = plan.budget
         i = 0
-        if self._all_decode and len(running) <= budget:
-            # Fast path: one token each; only requests whose computed tokens fill
-            # their blocks exactly need a block (a block table holds exactly
-            # ceil(num_computed_tokens / block_size) blocks after every step).
-            bs = kv.block_size
-            live = self._decodes(running)
-            need = [r for r in live if not r.num_computed_tokens % bs]
-            added_ids = kv.allocate_decode_blocks(need) if need else {}
-            if added_ids is not None:
-                new_block_ids = added_ids
-                num_scheduled = dict.fromkeys([r.request_id for r in live], 1)
-                budget -= len(live)
-                i = len(running)
         while i < len(running) and budget > 0:
             request = running[i]
             known = request.num_tokens + request.num_output_placeholders
@@ -133,67 +170,68 @@ class Scheduler:
                         continue
                 victim = running.pop()
                 self._preempt(victim)
-                preempted.add(victim.request_id)
-                num_scheduled.pop(victim.request_id, None)
+                plan.preempted.add(victim.request_id)
+                plan.num_scheduled.pop(victim.request_id, None)
                 if victim is request:
                     break
             if added is None:
                 break  # the request preempted itself: nothing left to run it with
             if added:
-                new_block_ids[request.request_id] = [b.block_id for b in added]
-            num_scheduled[request.request_id] = num_new
+                plan.new_block_ids[request.request_id] = [b.block_id for b in added]
+            plan.num_scheduled[request.request_id] = num_new
             budget -= num_new
             i += 1
-
+        plan.budget = budget
         self._all_running_scheduled = i == len(running)
 
-        # 2. Waiting requests, in order, while budget, seats and blocks last.
+    def _schedule_waiting(self, plan: _Plan) -> None:
+        """Admit waiting requests in order while budget, seats and blocks last,
+        reusing their cached prefix blocks."""
+        kv = self.kv_cache
+        windowed = self._windowed
         waiting = self.waiting
-        if not preempted:
-            while waiting and budget > 0 and len(running) < self.max_num_seqs:
-                request = waiting[0]
-                computed, num_cached = (
-                    kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else ([], 0)
-                )
-                num_new = min(request.num_tokens - num_cached, budget)
-                added = kv.allocate(request, num_new, computed)
-                if added is None and windowed:  # the part of the prompt that fits
-                    num_new = kv.fit_tokens(request, num_new, computed)
-                    added = kv.allocate(request, num_new, computed) if num_new else None
-                if added is None:
-                    break
-                waiting.popleft()
-                request.num_computed_tokens = num_cached
-                if request.num_preemptions == 0:
-                    request.num_cached_prompt_tokens = num_cached
-                    if request.arrival_time > 0:
-                        self.queue_time.observe(time.time() - request.arrival_time)
-                request.status = RequestStatus.RUNNING
-                running.append(request)
-                rid = request.request_id
-                num_scheduled[rid] = num_new
-                budget -= num_new
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=rid,
-                        token_ids=list(request.all_token_ids),
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        sampling_params=request.sampling_params,
-                        block_ids=kv.block_ids(rid),
-                        num_computed_tokens=num_cached,
-                        stop_token_ids=request.stop_token_ids,
-                        grammar=request.grammar,
-                    )
-                )
+        running = self.running
+        while waiting and plan.budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting[0]
+            computed, num_cached = (
+                kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else ([], 0)
+            )
+            num_new = min(request.num_tokens - num_cached, plan.budget)
+            added = kv.allocate(request, num_new, computed)
+            if added is None and windowed:  # the part of the prompt that fits
+                num_new = kv.fit_tokens(request, num_new, computed)
+                added = kv.allocate(request, num_new, computed) if num_new else None
+            if added is None:
+                break
+            waiting.popleft()
+            self._admit(request, num_cached)
+            plan.num_scheduled[request.request_id] = num_new
+            plan.budget -= num_new
+            plan.new_reqs.append(self._new_request_data(request, num_cached))
 
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
-            new_reqs=new_reqs,
-            new_block_ids=new_block_ids,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=finished,
-            preempted_req_ids=preempted,
+    def _admit(self, request: Request, num_cached: int) -> None:
+        """A waiting request starts running with `num_cached` prompt tokens cached;
+        its queue time is observed at its first admission only."""
+        request.num_computed_tokens = num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = num_cached
+            if request.arrival_time > 0:
+                self.queue_time.observe(time.time() - request.arrival_time)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _new_request_data(self, request: Request, num_cached: int) -> NewRequestData:
+        """What the runner needs of a request it has not seen (or saw preempted)."""
+        rid = request.request_id
+        return NewRequestData(
+            req_id=rid,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache.block_ids(rid),
+            num_computed_tokens=num_cached,
+            stop_token_ids=request.stop_token_ids,
+            grammar=request.grammar,
         )
 
     def update_from_output(

@@ -19,14 +19,14 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
-from asyncllm.grammar_cache import GrammarCache
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.models.hf_config import kv_window, longrope_original
+from asyncllm.structured_output.grammar_cache import GrammarCache
+from asyncllm.structured_output.rows import GrammarRows
 from asyncllm.token_checks import check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
 from asyncllm.worker.null_runner import NullModelRunner
-from asyncllm.worker.structured import GrammarRows
 
 if TYPE_CHECKING:
     from asyncllm.worker.model_runner import ModelRunner
@@ -53,7 +53,7 @@ class EngineCore:
         if config.executor == "null":
             self.runner = NullModelRunner(config, hf_config)
         elif config.tensor_parallel_size > 1:  # rank 0 here, the others in workers
-            from asyncllm.executor.multiproc import build_tp_runner
+            from asyncllm.executor.factory import build_tp_runner
 
             self.runner = build_tp_runner(config, hf_config)
         else:
@@ -170,18 +170,21 @@ class EngineCore:
         """Schedule, run the model, and turn the sampled tokens into outputs: one
         entry per request that produced a token."""
         rec = self.recorder
-        if rec is not None:
-            t0 = rec.start_step()
+        if rec is not None:  # the one check while nothing is recorded
+            return self._recorded_step(rec)
         so = self.schedule()
-        if rec is not None:
-            t1 = rec.phase("schedule", t0, "execute")
+        return self.update(so, self.runner.execute_model(so).resolved())
+
+    def _recorded_step(self, rec: StepRecorder) -> StepOutputs:
+        """`step`, with its phases (schedule, execute, update) recorded."""
+        t0 = rec.start_step()
+        so = self.schedule()
+        t1 = rec.phase("schedule", t0, "execute")
         runner_out = self.runner.execute_model(so).resolved()
-        if rec is not None:
-            t2 = rec.phase("execute", t1, "update")
+        t2 = rec.phase("execute", t1, "update")
         out = self.update(so, runner_out)
-        if rec is not None:
-            n = so.total_num_scheduled_tokens
-            rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(out.req_ids))
+        n = so.total_num_scheduled_tokens
+        rec.end_step(t0, t1, t2, len(so.num_scheduled_tokens), n, len(out.req_ids))
         return out
 
     def schedule(self) -> SchedulerOutput:

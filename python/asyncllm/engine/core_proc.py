@@ -33,19 +33,18 @@ import signal
 import sys
 import threading
 import traceback
-from collections import deque
-from time import perf_counter
 from typing import Any
 
 import zmq
 
 from asyncllm import _core, curve, envs
 from asyncllm.config import EngineArgs
-from asyncllm.core.queue_time import QUEUE_TIME_BUCKETS
 from asyncllm.core.request import Request
 from asyncllm.curve import ClientKeys
 from asyncllm.engine.core import EngineCore, build_engine_core
 from asyncllm.engine.overlap import OverlapStepper
+from asyncllm.engine.step_timers import StepTimers
+from asyncllm.engine.utility_calls import utility_calls
 from asyncllm.engine.wire import from_wire
 from asyncllm.errors import AsyncLLMError
 from asyncllm.messages import StepOutputs
@@ -83,18 +82,12 @@ class EngineCoreProc:
         self._keys = keys  # CURVE keys where the front end is reached over TCP (Ray)
         self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue(_INPUT_QUEUE_SIZE)
         self.output_queue: queue.Queue[Any] = queue.Queue(_OUTPUT_QUEUE_SIZE)
-        # Per step with outputs: the cost of handing them to the output thread
-        # (kept for the benchmarks only: EngineArgs.collect_step_timings), and,
-        # separately, how long a full output queue made the loop wait (rare).
-        self.handoff_times: deque[float] = deque(maxlen=20000)
-        self.backpressure_waits: deque[float] = deque(maxlen=20000)
         self._tracer: Tracer | None = None  # the core's, once it is built
         self._shutdown = False
         # The first failure of any thread; once set, the busy loop stops.
         self.failure: BaseException | None = None
         self._failure_lock = threading.Lock()
         self.core: EngineCore | None = None
-        self.stepper: OverlapStepper | None = None  # with async_scheduling
         # The output thread comes first, so a start-up failure can still be reported.
         self._output_thread = threading.Thread(
             target=self._output_loop, args=(output_addr,), name="core-output", daemon=True
@@ -108,6 +101,9 @@ class EngineCoreProc:
             raise
         core = self.core
         self._tracer = core.tracer
+        # the hand-off's timers, and the utility calls the front end may make
+        self.timers = StepTimers(core)
+        self.utilities = utility_calls(core, self.timers)
         ready = _core.Ready(
             max_model_len=core.config.max_model_len,
             num_kv_blocks=core.num_kv_blocks,
@@ -142,14 +138,8 @@ class EngineCoreProc:
         if core.config.async_scheduling:
             self._overlap_loop(core)
             return
-        put_nowait = self.output_queue.put_nowait
-        handoff = self.handoff_times.append
-        backpressure = self.backpressure_waits.append
         has_unfinished = core.scheduler.has_unfinished_requests
         pending_inputs = self.input_queue.queue  # its deque: read without the lock
-        tracer = core.tracer
-        # the hand-off's timer: for the benchmarks' step timings and the trace
-        timed = core.step_timings is not None or tracer is not None
         while not self._shutdown:
             if pending_inputs or not has_unfinished():
                 self._process_inputs(block=not has_unfinished())
@@ -157,28 +147,13 @@ class EngineCoreProc:
                     continue
             outputs = core.step()
             if outputs.req_ids:
-                if timed:
-                    t0 = now_ns()
-                try:
-                    put_nowait(outputs)
-                except queue.Full:  # the front end lags: wait for it (back-pressure)
-                    t1 = perf_counter()
-                    self._put_output(outputs)
-                    waited = perf_counter() - t1
-                    backpressure(waited)
-                    if timed:
-                        t0 += int(waited * 1e9)  # the hand-off's cost, without the wait
-                if timed:
-                    t1_ns = now_ns()
-                    handoff((t1_ns - t0) / 1e9)
-                    if tracer is not None:
-                        tracer.complete("handoff", t0, t1_ns, {"outputs": len(outputs.req_ids)})
+                self._hand_off(outputs)
 
     def _overlap_loop(self, core: EngineCore) -> None:
         """The busy loop with overlap scheduling (asyncllm.engine.overlap): the
         model runs on the runner thread; a failure there ends the loop with a
         RunnerFailedError, reported like any failure of the loop."""
-        stepper = self.stepper = OverlapStepper(core)
+        stepper = self.timers.stepper = OverlapStepper(core)
         has_unfinished = core.scheduler.has_unfinished_requests
         pending_inputs = self.input_queue.queue
         try:
@@ -194,28 +169,9 @@ class EngineCoreProc:
             stepper.close()
 
     def _hand_off(self, outputs: StepOutputs) -> None:
-        """Queue a step's outputs for the output thread; any wait on a full queue
-        (back-pressure) is counted, and the hand-off timed as in `_busy_loop`."""
-        core = self.core
-        assert core is not None
-        tracer = core.tracer
-        timed = core.step_timings is not None or tracer is not None
-        if timed:
-            t0 = now_ns()
-        try:
-            self.output_queue.put_nowait(outputs)
-        except queue.Full:  # the front end lags: wait for it (back-pressure)
-            t1 = perf_counter()
-            self._put_output(outputs)
-            waited = perf_counter() - t1
-            self.backpressure_waits.append(waited)
-            if timed:
-                t0 += int(waited * 1e9)  # the hand-off's cost, without the wait
-        if timed:
-            t1_ns = now_ns()
-            self.handoff_times.append((t1_ns - t0) / 1e9)
-            if tracer is not None:
-                tracer.complete("handoff", t0, t1_ns, {"outputs": len(outputs.req_ids)})
+        """Queue a step's outputs for the output thread (waiting, counted as
+        back-pressure, when the front end lags)."""
+        self.timers.hand_off(outputs, self.output_queue.put_nowait, self._put_output)
 
     def _process_inputs(self, block: bool) -> None:
         q = self.input_queue
@@ -261,64 +217,10 @@ class EngineCoreProc:
         # "wake" (from `_fail`) only unblocks the loop, which then sees `_shutdown`.
 
     def _call_utility(self, method: str, args: Any) -> Any:
-        core = self.core
-        assert core is not None
-        if method == "check_health":
-            return True
-        if method == "get_stats":
-            s = core.stats()
-            return {
-                "num_running": s.num_running,
-                "num_waiting": s.num_waiting,
-                "kv_cache_usage": s.kv_cache_usage,
-                "prefix_cache_queries": s.prefix_cache_queries,
-                "prefix_cache_hits": s.prefix_cache_hits,
-                "num_preemptions": s.num_preemptions,
-                "num_free_blocks": core.kv_cache.num_free_blocks,
-                "num_blocks": core.num_kv_blocks,
-                "num_unfinished": core.scheduler.num_unfinished,
-                "queue_time_buckets": list(QUEUE_TIME_BUCKETS),
-                "queue_time_cumulative": core.scheduler.queue_time.cumulative(),
-                "queue_time_sum": core.scheduler.queue_time.sum,
-                "grammar_cache_bytes": core.grammars.num_bytes,
-                "grammar_cache_entries": core.grammars.num_entries,
-            }
-        if method == "reset_prefix_cache":
-            return core.reset_prefix_cache()
-        if method == "start_profile":
-            return core.start_profile()
-        if method == "stop_profile":
-            return core.stop_profile()
-        if method == "get_step_timings":
-            # The step and hand-off timers run only with collect_step_timings (their
-            # lists are empty otherwise); back-pressure waits are always counted.
-            timings = list(core.step_timings or ())
-            handoff = list(self.handoff_times) if core.step_timings is not None else []
-            backpressure = list(self.backpressure_waits)
-            spans = list(self.stepper.spans) if self.stepper is not None else []
-            if args and args.get("clear"):
-                if core.step_timings is not None:
-                    core.step_timings.clear()
-                self.handoff_times.clear()
-                self.backpressure_waits.clear()
-                if self.stepper is not None:
-                    self.stepper.spans.clear()
-            return {
-                "collect_step_timings": core.step_timings is not None,
-                # overlap only: per step the forward on the runner thread and the
-                # update's end (the core's busy time and wall time)
-                "exec_start": [x[0] / 1e9 for x in spans],
-                "exec_end": [x[1] / 1e9 for x in spans],
-                "end": [x[2] / 1e9 for x in spans],
-                "start": [t[0] for t in timings],
-                "schedule": [t[1] for t in timings],
-                "execute": [t[2] for t in timings],
-                "update": [t[3] for t in timings],
-                "num_outputs": [t[4] for t in timings],
-                "handoff": handoff,
-                "backpressure": backpressure,
-            }
-        raise ValueError(f"unknown utility method {method!r}")
+        call = self.utilities.get(method)
+        if call is None:
+            raise ValueError(f"unknown utility method {method!r}")
+        return call(args)
 
     # -- IO threads ---------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from asyncllm._core import AddRequest
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.params import StructuredOutputsParams
 from asyncllm.token_checks import clamp_max_tokens
 
 

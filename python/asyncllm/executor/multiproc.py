@@ -15,8 +15,8 @@ sockets close) raises an error naming the rank, which fails the engine core like
 any runner error: every request gets EngineDeadError. Workers exit when the
 core's process ends (their stdin closes), so none outlive it.
 
-`TPExecutor` holds what does not depend on where the workers run (the join, the
-per-step calls, the failure a step raises); the Ray executor
+What does not depend on where the workers run (the join, the per-step calls, the
+failure a step raises) is `TPExecutor`'s (executor/abstract.py); the Ray executor
 (executor/ray_executor.py) is its other subclass.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import select
 import shutil
@@ -40,25 +39,9 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineStartupError
-from asyncllm.executor.distributed import (
-    STORE_FILE,
-    close_group,
-    init_group,
-    loopback_interface,
-    threads_per_rank,
-)
-from asyncllm.executor.step_channel import StepSender
+from asyncllm.executor.abstract import HANG_S, STOP_WAIT_S, TPExecutor
+from asyncllm.executor.distributed import STORE_FILE, close_group, loopback_interface
 from asyncllm.executor.worker_proc import status_error
-from asyncllm.models.parallel_state import set_tensor_parallel
-from asyncllm.worker.model_runner import ModelRunner
-from asyncllm.worker.runner_output import ModelRunnerOutput
-
-logger = logging.getLogger(__name__)
-
-HANG_S = 3.0  # a worker silent this long is hung (it beats every 0.25 s)
-STARTUP_TIMEOUT_S = 600.0
-_FAILURE_WAIT_S = 1.0  # how long a failed step waits for the watchdog's reason
-_STOP_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -82,105 +65,6 @@ class _Worker:
         if code < 0:
             return f"was killed by signal {signal.Signals(-code).name}"
         return f"exited with status {code}"
-
-
-class TPExecutor:
-    """Rank 0's handle on the workers, whatever starts them: join, the per-step
-    messages (the runner's `TensorParallelDriver`), and the failure the watchdog
-    records. Subclasses start the workers, wait for them, watch them, stop them."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.size = config.tensor_parallel_size
-        self.sender: StepSender | None = None
-        self.failure: str | None = None  # set once, by the watchdog
-        self._closing = False
-
-    def start(self) -> None:
-        """Start ranks 1..N-1; they load their shards while rank 0 loads its own."""
-        raise NotImplementedError
-
-    def wait_ready(self, timeout: float) -> None:
-        """Block until every worker has loaded its shard; EngineStartupError with
-        the rank's own error text if one fails (or `timeout` passes)."""
-        raise NotImplementedError
-
-    def rendezvous(self) -> tuple[Any, str]:
-        """Rank 0's store for the group's rendezvous, and the interface for gloo."""
-        raise NotImplementedError
-
-    def start_watchdog(self) -> None:
-        """After the join: watch the workers, recording a death or hang in `failure`."""
-        raise NotImplementedError
-
-    def shutdown(self) -> None:
-        raise NotImplementedError
-
-    def join(self, num_blocks: int) -> int:
-        """Wait until every worker is ready, join the group, and return the KV
-        block count all ranks can hold (the smallest)."""
-        self.wait_ready(STARTUP_TIMEOUT_S)
-        store, interface = self.rendezvous()
-        group = init_group(store, 0, self.size, self.config.device, interface)
-        agreed = torch.tensor([num_blocks], dtype=torch.int64)
-        torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=group)
-        self.step_group = group
-        self.start_watchdog()
-        return int(agreed.item())
-
-    # -- the runner's per-step calls (worker.model_runner.TensorParallelDriver) --------
-
-    def wrap(self, model: Any) -> None:
-        """Give the model's extra `compute_logits` calls (prompt logprobs) to the
-        workers too; the sampled rows' logits they compute unasked."""
-        sender = self.sender = StepSender(
-            self.step_group, model.hidden_size, self.config.torch_dtype
-        )
-        inner = model.compute_logits
-
-        def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-            if sender.extra_logits:
-                sender.send_rows(hidden)
-            return inner(hidden)  # type: ignore[no-any-return]
-
-        model.compute_logits = compute_logits
-
-    def send_step(self, *inputs: Any) -> None:
-        assert self.sender is not None
-        self.sender.send_step(*inputs)
-
-    def end_logits(self) -> None:
-        assert self.sender is not None
-        self.sender.end_logits()
-
-    def step_error(self, exc: BaseException) -> BaseException:
-        """The error a failed step raises: the watchdog's reason when a worker
-        died or hung (it may take a moment to see it), else `exc` itself."""
-        deadline = time.monotonic() + _FAILURE_WAIT_S
-        while self.failure is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if self.failure is None:
-            return exc
-        return RuntimeError(f"{self.failure} ({type(exc).__name__}: {exc})")
-
-    def _fail(self, reason: str) -> None:
-        if self._closing:
-            return
-        if self.failure is None:
-            self.failure = reason
-        logger.error("%s", reason)
-
-    def _send_stop(self) -> bool:
-        """STOP to healthy workers (they return from their step loop); False when
-        a worker failed or STOP could not be sent."""
-        if self.sender is None or self.failure is not None:
-            return False
-        try:
-            self.sender.stop()
-            return True
-        except Exception as exc:  # a worker died meanwhile: stopped otherwise
-            logger.warning("could not send STOP to the workers: %s", exc)
-            return False
 
 
 class MultiprocExecutor(TPExecutor):
@@ -313,7 +197,7 @@ class MultiprocExecutor(TPExecutor):
             for w in self.workers:
                 if w.proc.stdin is not None:
                     w.proc.stdin.close()
-        deadline = time.monotonic() + _STOP_WAIT_S
+        deadline = time.monotonic() + STOP_WAIT_S
         for w in self.workers:
             try:
                 w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -327,60 +211,3 @@ class MultiprocExecutor(TPExecutor):
             self._watchdog.join(timeout=1.0)
         close_group()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class TPModelRunner(ModelRunner):
-    """Rank 0's runner: the model runner, with the executor beside it. A step that
-    fails because a worker died or hung raises the executor's reason."""
-
-    def __init__(self, config: EngineConfig, hf_config: Any, executor: TPExecutor) -> None:
-        self.executor = executor
-        super().__init__(config, hf_config, tp=executor)
-        # The step message carries the input ids from the host: with overlap
-        # scheduling, sampled tokens must reach it before the next step is built
-        # (not be patched in on the device, where the workers cannot see them).
-        self._defer_tokens = False
-
-    def execute_model(self, so: Any) -> ModelRunnerOutput:
-        executor = self.executor
-        if executor.failure is not None:
-            raise RuntimeError(executor.failure)
-        try:
-            return super().execute_model(so)
-        except Exception as exc:
-            error = executor.step_error(exc)
-            if error is exc:
-                raise
-            raise error from exc
-
-    def shutdown(self) -> None:
-        self.executor.shutdown()
-
-
-def build_tp_runner(config: EngineConfig, hf_config: Any) -> TPModelRunner:
-    """Rank 0's runner for `config.tensor_parallel_size` > 1, with its workers
-    started (here, or by Ray: `config.distributed_executor_backend`); on any
-    start-up failure the workers are stopped and the error (naming the rank that
-    failed) is raised."""
-    executor: TPExecutor
-    if config.distributed_executor_backend == "ray":
-        from asyncllm.executor.ray_executor import RayExecutor
-
-        executor = RayExecutor(config)
-    else:
-        executor = MultiprocExecutor(config)
-    try:
-        executor.start()
-        threads = threads_per_rank(config)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        # the sharded layers read it while the model is built (and only then: an
-        # engine built later in this process with one rank builds whole layers)
-        set_tensor_parallel(0, executor.size)
-        try:
-            return TPModelRunner(config, hf_config, executor)
-        finally:
-            set_tensor_parallel(0, 1)
-    except BaseException:
-        executor.shutdown()
-        raise

@@ -40,9 +40,9 @@ from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineStartupError
+from asyncllm.executor.abstract import HANG_S, STOP_WAIT_S, TPExecutor
 from asyncllm.executor.distributed import close_group, host_address, interface_of
 from asyncllm.executor.hub import Hub, LocalStore
-from asyncllm.executor.multiproc import HANG_S, TPExecutor
 from asyncllm.executor.ray_actor import WorkerSupervisor, visible_devices
 from asyncllm.executor.worker_proc import status_error
 from asyncllm.ray_import import import_ray
@@ -53,7 +53,6 @@ PLACEMENT_TIMEOUT_S = 120.0  # the cluster has no room for the group: a start-up
 NAMESPACE = "asyncllm"  # the workers' actors: asyncllm-tp-<id>-rank<r> in this namespace
 _STARTUP_POLL_MS = 10  # the store answers rendezvous requests this promptly
 _POLL_MS = 100  # afterwards: a dead actor or an error is seen within this
-_STOP_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -284,7 +283,7 @@ class RayExecutor(TPExecutor):
         ray = self._ray
         runs = [w.run for w in self.workers]
         if self._send_stop() and runs:
-            ray.wait(runs, num_returns=len(runs), timeout=_STOP_WAIT_S)
+            ray.wait(runs, num_returns=len(runs), timeout=STOP_WAIT_S)
         for w in self.workers:
             try:
                 ray.kill(w.actor, no_restart=True)

@@ -8,8 +8,8 @@ from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
-from asyncllm.grammar_cache import GrammarCache
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_output.grammar_cache import GrammarCache
 from asyncllm.token_checks import check_token_ids
 
 _UINT64_MAX = 2**64 - 1  # the largest seed SamplingParams accepts

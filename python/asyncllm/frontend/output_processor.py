@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm._core import Detokenizer, Logprobs, OutputBatch
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.tracing import Tracer, now_ns
+
+# An output batch's finish reasons, stop reasons and errors, one entry per row.
+_Ends = tuple[list[Any], list[int | None], list[str | None]]
 
 
 @dataclass
@@ -97,23 +101,10 @@ class OutputProcessor:
         if tracer is not None:
             t0 = now_ns()
         children = self.children
-        wire_ids = batch.wire_ids
-        if not wire_ids:
+        columns = self._columns(batch)
+        if columns is None:
             return [], []
-        cached = batch.num_cached_tokens  # each request's first output only: rare
-        if cached:
-            self._note_cached(wire_ids, cached)
-        new_tokens = batch.all_new_token_ids()
-        finished_idx = batch.finished_indices
-        finished_ids = {wire_ids[i] for i in finished_idx} if finished_idx else set()
-        finish_reasons = batch.finish_reasons if finished_idx else None
-        idx: Sequence[int] = range(len(wire_ids))
-        if not children.keys() >= set(wire_ids):  # some ended in the front end already
-            idx = [i for i, w in enumerate(wire_ids) if w in children]
-            if not idx:
-                return [], []
-            wire_ids = [wire_ids[i] for i in idx]
-            new_tokens = [new_tokens[i] for i in idx]
+        idx, wire_ids, new_tokens, finished_ids = columns
         if tracer is not None:
             t1 = now_ns()
         # incremental detokenizing and the stop-string search, in one Rust call
@@ -125,8 +116,7 @@ class OutputProcessor:
         texts = result.texts
         stops = {pos: (stop, kept) for pos, stop, kept in result.stops} if result.stops else {}
         has_logprobs = self._num_with_logprobs > 0
-        stop_reasons: list[int | None] | None = None
-        errors: list[str | None] = []
+        ends: _Ends | None = None
         due: dict[str, ParentState] = {}
         stopped: list[int] = []
         for j, i in enumerate(idx):
@@ -147,21 +137,13 @@ class OutputProcessor:
                 if plp is not None:
                     parent.prompt_logprobs = self._prompt_logprobs(plp)
             if stop is not None:
-                child.finish_reason = "stop"
-                child.stop_reason = parent.params.stop_strings[stop[0]]
-                self.detokenizer.remove(wire_id)
+                self._finish_at_stop_string(child, stop[0])
                 if wire_id not in finished_ids:
                     stopped.append(wire_id)
-                self._forget(child)
             elif wire_id in finished_ids:
-                assert finish_reasons is not None
-                if stop_reasons is None:
-                    stop_reasons, errors = batch.stop_reasons, batch.errors
-                child.finish_reason = finish_reasons[i]
-                child.stop_reason = stop_reasons[i]
-                if child.finish_reason == "error":
-                    parent.error = errors[i] or "the engine core rejected the request"
-                self._forget(child)
+                if ends is None:  # read once per batch, and only when one ended
+                    ends = batch.finish_reasons, batch.stop_reasons, batch.errors
+                self._finish_in_core(child, ends, i)
             if parent.params.output_kind != RequestOutputKind.FINAL_ONLY or parent.finished:
                 due[parent.request_id] = parent
         if tracer is None:
@@ -174,6 +156,49 @@ class OutputProcessor:
         tracer.complete("update_requests", t2, t3, {"outputs": n, "stopped": len(stopped)})
         tracer.complete("make_outputs", t3, now_ns(), {"requests": len(outputs)})
         return outputs, stopped
+
+    def _columns(
+        self, batch: OutputBatch
+    ) -> tuple[Sequence[int], list[int], list[list[int]], set[int]] | None:
+        """The batch's rows of requests still open here (positions in the batch,
+        wire ids, new tokens) and the wire ids the core finished; None when no
+        row is left."""
+        wire_ids = batch.wire_ids
+        if not wire_ids:
+            return None
+        cached = batch.num_cached_tokens  # each request's first output only: rare
+        if cached:
+            self._note_cached(wire_ids, cached)
+        new_tokens = batch.all_new_token_ids()
+        finished_idx = batch.finished_indices
+        finished_ids = {wire_ids[i] for i in finished_idx} if finished_idx else set()
+        idx: Sequence[int] = range(len(wire_ids))
+        children = self.children
+        if not children.keys() >= set(wire_ids):  # some ended in the front end already
+            idx = [i for i, w in enumerate(wire_ids) if w in children]
+            if not idx:
+                return None
+            wire_ids = [wire_ids[i] for i in idx]
+            new_tokens = [new_tokens[i] for i in idx]
+        return idx, wire_ids, new_tokens, finished_ids
+
+    def _finish_at_stop_string(self, child: ChildState, stop_index: int) -> None:
+        """The detokenizer found the request's stop string `stop_index`."""
+        child.finish_reason = "stop"
+        child.stop_reason = child.parent.params.stop_strings[stop_index]
+        self.detokenizer.remove(child.core_id)
+        self._forget(child)
+
+    def _finish_in_core(self, child: ChildState, ends: _Ends, i: int) -> None:
+        """The core finished the request in row `i` of the batch (a stop token,
+        EOS, a length limit, or an error); `ends` are the batch's finish reasons,
+        stop reasons and errors."""
+        finish_reasons, stop_reasons, errors = ends
+        child.finish_reason = finish_reasons[i]
+        child.stop_reason = stop_reasons[i]
+        if child.finish_reason == "error":
+            child.parent.error = errors[i] or "the engine core rejected the request"
+        self._forget(child)
 
     def abort(self, core_ids: list[int]) -> list[RequestOutput]:
         """Finish children the front end gave up on (the caller aborts them in the

@@ -7,6 +7,7 @@ loading costs one read of the weights and nothing else.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -19,7 +20,7 @@ from safetensors import safe_open
 from asyncllm.errors import ModelLoadError
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.parallel_layers import Shard, weight_shards
-from asyncllm.models.registry import get_model_class
+from asyncllm.models.registry import model_location
 
 _INIT_FUNCTIONS = (
     "uniform_",
@@ -33,6 +34,12 @@ _INIT_FUNCTIONS = (
     "ones_",
     "constant_",
 )
+
+
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """The class that serves `hf_config`, or ModelLoadError naming what is supported."""
+    module, name = model_location(hf_config)
+    return getattr(importlib.import_module(f"asyncllm.models.{module}"), name)  # type: ignore[no-any-return]
 
 
 @contextmanager

@@ -6,12 +6,9 @@ engine core can validate a model directory cheaply.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncllm.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from asyncllm.models.llama import LlamaForCausalLM
 
 # Architecture -> (module under asyncllm.models, class). Every class is a
 # LlamaForCausalLM variant: one forward, one interface for the runner.
@@ -49,9 +46,8 @@ def check_architecture(architectures: Any) -> str:
     )
 
 
-def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
-    """The class that serves `hf_config`, or ModelLoadError naming what is supported."""
-    import importlib
-
-    module, name = _ARCHITECTURES[check_architecture(getattr(hf_config, "architectures", None))]
-    return getattr(importlib.import_module(f"asyncllm.models.{module}"), name)  # type: ignore[no-any-return]
+def model_location(hf_config: Any) -> tuple[str, str]:
+    """(module under asyncllm.models, class name) that serves `hf_config`, or
+    ModelLoadError naming what is supported. The loader imports it: this table
+    imports no model, so the model files may read it."""
+    return _ARCHITECTURES[check_architecture(getattr(hf_config, "architectures", None))]

@@ -17,9 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncllm.chat_template import ChatTemplate, resolve_template_source
 from asyncllm.errors import EngineDeadError
 from asyncllm.frontend.async_llm import AsyncLLM
-from asyncllm.server.chat_template import ChatTemplate, resolve_template_source
 from asyncllm.server.config import ServerConfig
 from asyncllm.server.gateway import GatewayMiddleware, error_response
 from asyncllm.server.handlers import Handlers

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
-from asyncllm.server import protocol_structured
 from asyncllm.server.protocol_tools import MAX_TOOLS, ChatTool, ToolChoice
+from asyncllm.structured_output import openai_fields
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -92,15 +92,15 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cache
-    # -- output constraints (protocol_structured) --
+    # -- output constraints (structured_output/openai_fields.py) --
     response_format: dict[str, Any] | None = None  # OpenAI's: json_object, json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar
 
     def structured(self) -> Any:
         """The request's StructuredOutputsParams, or None; a 400 if malformed."""
         try:
-            return protocol_structured.from_body(self.response_format, self.structured_outputs)
-        except protocol_structured.FormatError as exc:
+            return openai_fields.from_body(self.response_format, self.structured_outputs)
+        except openai_fields.FormatError as exc:
             raise bad_request(str(exc), exc.param) from None
 
     def check_unsupported(self) -> None:

@@ -10,10 +10,10 @@ from typing import Any
 
 from starlette.responses import Response
 
+from asyncllm.chat_template import ChatTemplate, ChatTemplateError, prepare_messages
 from asyncllm.frontend.async_llm import AsyncLLM
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.server.chat_template import ChatTemplate, ChatTemplateError, prepare_messages
 from asyncllm.server.limits import Admission
 from asyncllm.server.logprobs import chat_logprobs
 from asyncllm.server.metrics import ServerMetrics

@@ -31,7 +31,7 @@ from asyncllm.server.sse import ChunkRenderer, finish_json
 from asyncllm.server.tool_parsers import ToolParser
 from asyncllm.server.tool_parsers.base import MAX_TOOL_CALLS
 from asyncllm.server.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.params import StructuredOutputsParams
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 

@@ -3,8 +3,14 @@
 Contract: `execute_model` is called once per step with the scheduler's plan and
 returns the token sampled for every request whose known tokens are now all in the
 KV cache (a request in the middle of a chunked prompt gets none). All per-step
-inputs are gathered with vectorised numpy from the persistent `InputBatch`; the
-only per-request Python work is bookkeeping for requests that joined or left.
+inputs are gathered with vectorised numpy from the persistent `InputBatch`
+(`step_inputs.py`); the only per-request Python work is bookkeeping for requests
+that joined or left.
+
+A step is a sequence of phases, one method each: prepare inputs, masks (the
+grammar thread's, requested before the forward so they fill while it runs),
+forward, prompt logprobs, logits, sample, outputs. The traced ones wear
+`tracing.phase`, which costs one check while nothing is recorded.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ import torch
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.messages import Logprobs
-from asyncllm.models.attention import build_attention_metadata
 from asyncllm.models.loader import load_model
-from asyncllm.tracing import StepRecorder
+from asyncllm.structured_output.rows import GrammarRows, StepMasks
+from asyncllm.tracing import StepRecorder, phase
 from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
@@ -28,14 +34,15 @@ from asyncllm.worker.linear_select import select_linear_kernels
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
+from asyncllm.worker.sampler_output import SamplerOutput
 from asyncllm.worker.sampling_metadata import build_sampling_metadata
-from asyncllm.worker.structured import GrammarRows
+from asyncllm.worker.step_inputs import StepInputs, gather_step_inputs
 
 logger = logging.getLogger(__name__)
 
 
 class TensorParallelDriver(Protocol):
-    """Rank 0's side of tensor parallelism (asyncllm.executor.multiproc)."""
+    """Rank 0's side of tensor parallelism (asyncllm.executor.abstract.TPExecutor)."""
 
     def join(self, num_blocks: int) -> int:
         """After this rank's shard is loaded: wait for the other ranks and return
@@ -49,6 +56,25 @@ class TensorParallelDriver(Protocol):
 
     def end_logits(self) -> None:
         """After a step's prompt-logprobs `compute_logits` calls."""
+
+
+class _Sample:
+    """The requests a step samples: those whose known tokens are all computed."""
+
+    __slots__ = ("req_ids", "rows", "last_token", "allowed")
+
+    def __init__(self, step: StepInputs) -> None:
+        done = step.sampled
+        self.rows: np.ndarray = step.rows[done]
+        self.req_ids: list[int] = (
+            step.req_ids
+            if len(self.rows) == step.num_reqs
+            else [r for r, d in zip(step.req_ids, done.tolist(), strict=True) if d]
+        )
+        # each sampled request's last token among the step's tokens
+        self.last_token: np.ndarray = (step.cu_query_lens - 1)[done]
+        # the grammar masks it was sampled under (set by the sample phase)
+        self.allowed: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
@@ -99,122 +125,135 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        ib = self.input_batch
-        rec = self.recorder
-        if rec is not None:
-            t = rec.begin("prepare_inputs")
+        """One step, as its phases: prepare inputs, masks, forward, logits,
+        sample, outputs (each traced as a span when a recorder is set)."""
+        step = self._prepare_inputs(so)
+        if step is None:
+            return ModelRunnerOutput()
+        masks = self._request_masks(step)
+        hidden = self._forward(step)
+        out = ModelRunnerOutput()
+        self._prompt_logprobs_of(step, hidden, out)
+        if not step.sampled.any():
+            return out
+        sample = _Sample(step)
+        logits = self._logits(sample, hidden)
+        result = self._sample(sample, logits, masks)
+        self._outputs(sample, result, out)
+        return out
+
+    @phase("prepare_inputs")
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs | None:
+        """Apply the scheduler's changes to the input batch and gather the step's
+        inputs; None for a step that runs nothing."""
         self._update_states(so)
         if so.is_empty:
-            if rec is not None:
-                rec.end("prepare_inputs", t)
-            return ModelRunnerOutput()
-
-        req_ids = list(so.num_scheduled_tokens)
-        n = len(req_ids)
-        q = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=n)
-        rows = np.fromiter((ib.rows[r] for r in req_ids), dtype=np.int64, count=n)
-        if not (q == 1).all():
-            # attention takes the 1-token queries (decodes) first
-            order = np.argsort(q != 1, kind="stable")
-            q, rows = q[order], rows[order]
-            req_ids = [req_ids[i] for i in order]
-        ctx = ib.num_computed[rows]
-        seq_lens = ctx + q
-        cu = np.cumsum(q)
-        total = int(cu[-1])
-        bs = self.block_size
-        if total == n:  # decode-only step: one token per request
-            tok_rows, pos = rows, ctx.astype(np.int64)
-        else:
-            tok_rows = np.repeat(rows, q)
-            pos = np.arange(total, dtype=np.int64) + np.repeat(ctx - (cu - q), q)
-        input_ids = ib.token_ids[tok_rows, pos]
-        slots = ib.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
-        max_nb = int((seq_lens.max() + bs - 1) // bs)
-        prompt_lens = ib.num_prompt_tokens[rows] if self._pass_prompt_lens else None
-        meta = build_attention_metadata(
-            q, ctx, ib.block_table[rows, :max_nb], slots, bs, self.device, prompt_lens
+            return None
+        return gather_step_inputs(
+            self.input_batch, so, self.block_size, self.device, self._pass_prompt_lens
         )
+
+    def _request_masks(self, step: StepInputs) -> StepMasks | None:
+        """Ask the grammar thread for the constrained sampled rows' token masks: filled
+        ahead, or while the model runs. None without constrained requests."""
         grammar = self.grammar_rows
-        masks = None
-        if grammar is not None and grammar.matchers:
-            # the rows sampled this step (as `done` below): their masks were filled
-            # ahead on the grammar thread, or are filled there while the model runs
-            sampling = (seq_lens == ib.num_tokens[rows]).tolist()
-            ids = [r for r, d in zip(req_ids, sampling, strict=True) if d]
-            masks = grammar.bitmask_async(ids) if ids else None
-        tp = self.tp
-        if tp is not None:
-            tp.send_step(
-                input_ids,
-                pos,
-                q,
-                ctx,
-                ib.block_table[rows, :max_nb],
-                slots,
-                (cu - 1)[seq_lens == ib.num_tokens[rows]],
-                bool((ib.num_prompt_logprobs[rows] >= 0).any()),
-            )
-        input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(self.device)
-        self._in_flight.feed(input_ids_t, tok_rows, pos)
-        pos_t = torch.from_numpy(pos).to(self.device)
-        if rec is not None:
-            t = rec.phase("prepare_inputs", t, "forward")
-        hidden = self.model(input_ids_t, pos_t, self.kv_caches, meta)
-        if rec is not None:  # on CUDA: the launches; the wait shows in sampling
-            rec.end("forward", t, {"batch": n, "tokens": total})
-        # the last step's tokens, for what reads them on the host below (penalties,
-        # prompt logprobs); on a device this waits while this step's forward runs
-        self._in_flight.settle(ib)
+        if grammar is None or not grammar.matchers:
+            return None
+        ids = [r for r, s in zip(step.req_ids, step.sampled.tolist(), strict=True) if s]
+        return grammar.bitmask_async(ids) if ids else None
 
-        done = seq_lens == ib.num_tokens[rows]  # all known tokens computed: sample
-        ib.num_computed[rows] = seq_lens
-        out = ModelRunnerOutput()
-        plp_rows = ib.num_prompt_logprobs[rows] >= 0
-        if plp_rows.any():
-            self._prompt_logprobs.collect(
-                self.model, hidden, ib, rows, req_ids, ctx, q, cu, plp_rows, out.prompt_logprobs
+    @phase("forward", lambda step: {"batch": step.num_reqs, "tokens": step.num_tokens})
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The model's hidden states for every token (the workers run the same
+        forward on their shards). On CUDA the span covers the launches; the wait
+        shows in sampling."""
+        ib = self.input_batch
+        if self.tp is not None:
+            self.tp.send_step(
+                step.input_ids,
+                step.positions,
+                step.query_lens,
+                step.context_lens,
+                step.block_tables,
+                step.slots,
+                (step.cu_query_lens - 1)[step.sampled],
+                bool((ib.num_prompt_logprobs[step.rows] >= 0).any()),
             )
-            if tp is not None:
-                tp.end_logits()
-        if not done.any():
-            return out
-        if rec is not None:
-            t = rec.begin("sampling")
-        sample_rows = rows[done]
-        done_ids = (
-            [r for r, d in zip(req_ids, done.tolist(), strict=True) if d]
-            if n != len(sample_rows)
-            else req_ids
-        )
-        idx = torch.from_numpy((cu - 1)[done]).to(self.device)
-        logits = self.model.compute_logits(hidden[idx])
-        md = build_sampling_metadata(ib, sample_rows, self.vocab_size, self.device)
+        input_ids = torch.from_numpy(step.input_ids.astype(np.int64)).to(self.device)
+        self._in_flight.feed(input_ids, step.token_rows, step.positions)
+        positions = torch.from_numpy(step.positions).to(self.device)
+        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, step.attention)
+        return hidden
+
+    def _prompt_logprobs_of(
+        self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput
+    ) -> None:
+        """Settle the last step's tokens (what follows reads them on the host), count
+        this step's tokens as computed, and collect prompt logprobs where asked."""
+        ib = self.input_batch
+        # on a device this waits while this step's forward runs
+        self._in_flight.settle(ib)
+        ib.num_computed[step.rows] = step.seq_lens
+        wanted = ib.num_prompt_logprobs[step.rows] >= 0
+        if wanted.any():
+            self._prompt_logprobs.collect(
+                self.model,
+                hidden,
+                ib,
+                step.rows,
+                step.req_ids,
+                step.context_lens,
+                step.query_lens,
+                step.cu_query_lens,
+                wanted,
+                out.prompt_logprobs,
+            )
+            if self.tp is not None:
+                self.tp.end_logits()
+
+    @phase("logits", lambda sample: {"batch": len(sample.req_ids)})
+    def _logits(self, sample: _Sample, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of each sampled request's last token."""
+        idx = torch.from_numpy(sample.last_token).to(self.device)
+        logits: torch.Tensor = self.model.compute_logits(hidden[idx])
+        return logits
+
+    @phase("sample", lambda sample: {"batch": len(sample.req_ids)})
+    def _sample(
+        self, sample: _Sample, logits: torch.Tensor, masks: StepMasks | None
+    ) -> SamplerOutput:
+        """One sampler call for every sampled row, under its grammar's mask if any."""
+        md = build_sampling_metadata(self.input_batch, sample.rows, self.vocab_size, self.device)
         if masks is not None:
             md.allowed = masks.result()
-        result = self.sampler(logits, md)
-        # the runner appends sampled tokens itself: the next step's inputs come
-        # from here (the token itself lands in `token_ids` when it reaches the host)
-        nt = ib.num_tokens[sample_rows]
-        ib.num_tokens[sample_rows] = nt + 1
+        sample.allowed = md.allowed
+        return self.sampler(logits, md)
+
+    @phase("outputs", lambda sample: {"batch": len(sample.req_ids)})
+    def _outputs(self, sample: _Sample, result: SamplerOutput, out: ModelRunnerOutput) -> None:
+        """Record the sampled tokens (the runner appends them itself: the next
+        step's inputs come from here), advance the grammars, fill `out`."""
+        ib = self.input_batch
+        rows = sample.rows
+        # the token itself lands in `token_ids` when it reaches the host
+        nt = ib.num_tokens[rows]
+        ib.num_tokens[rows] = nt + 1
         resolve = self._in_flight.put(
-            result.sampled, result.nonfinite, sample_rows, nt.astype(np.int64), done_ids
+            result.sampled, result.nonfinite, rows, nt.astype(np.int64), sample.req_ids
         )
-        if self._defer_tokens and md.allowed is None:
+        if self._defer_tokens and sample.allowed is None:
             out.resolve = resolve
         else:
             # constrained rows advance their matchers now: the next step's masks
             # need the tokens on the host before its forward is queued
             out.sampled = resolve()
             self._in_flight.settle(ib)
-            if md.allowed is not None:
-                sampled = list(out.sampled.values())
-                grammar.advance(done_ids, sampled, md.allowed[0])  # type: ignore[union-attr]
+            if sample.allowed is not None:
+                assert self.grammar_rows is not None
+                tokens = list(out.sampled.values())
+                self.grammar_rows.advance(sample.req_ids, tokens, sample.allowed[0])
         if result.logprob_ids is not None:
-            self._collect_logprobs(out, result, done_ids, sample_rows)
-        if rec is not None:
-            rec.end("sampling", t, {"batch": len(done_ids)})
-        return out
+            self._collect_logprobs(out, result, sample.req_ids, rows)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch

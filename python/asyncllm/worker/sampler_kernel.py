@@ -8,18 +8,12 @@ import numpy as np
 import torch
 
 from asyncllm import _core
-from asyncllm.worker.sampler_reference import SamplerOutput
-from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
-from asyncllm.worker.structured import let_grammar_win
+from asyncllm.worker.sampler_output import SamplerOutput
+from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists, let_grammar_win
 
 _NO_TOKENS = TokenLists(
     np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 )
-
-
-def kernel_available() -> bool:
-    """False only with an extension built before the kernel existed."""
-    return hasattr(_core, "_sample")
 
 
 def _lists(lists: TokenLists | None, n: int) -> TokenLists:

@@ -1,7 +1,7 @@
 """A step's sampling inputs, gathered from the persistent rows of `InputBatch`:
 one fancy index for the packed per-row parameters, plus sparse token lists for
 the few rows with penalties or a `min_tokens` mask. Both samplers read it: the
-CPU kernel (`sampler_kernel`) as is, the torch path (`sampler_reference`) after
+CPU kernel (`sampler_kernel`) as is, the torch path (`sampler_torch`) after
 densifying the token lists on the logits' device."""
 
 from __future__ import annotations
@@ -111,3 +111,36 @@ def _banned_tokens(ib: InputBatch, rows: np.ndarray, num_out: np.ndarray) -> Tok
             ids = np.asarray(state.stop_token_ids, dtype=np.int64)
             lists[i] = (ids, np.zeros(len(ids), dtype=np.int64))
     return _csr(lists)
+
+
+def let_grammar_win(md: SamplingMetadata) -> None:
+    """`min_tokens` against a grammar that allows only tokens the row may not take
+    yet (its output is complete: only EOS may follow) would leave the row nothing
+    to sample. The grammar wins: that row's ban is lifted, it samples EOS, and the
+    request finishes with "stop" (the core stops a constrained request on a stop
+    token before `min_tokens`: only this lets one through). Both samplers call it;
+    rows banned and constrained at once are few, so a loop over them is cheap."""
+    if md.allowed is None or md.banned is None:
+        return
+    rows, bitmask = md.allowed
+    banned = md.banned
+    offsets = banned.offsets
+    lifted: list[int] = []
+    for i, r in enumerate(rows.tolist()):
+        lo, hi = int(offsets[r]), int(offsets[r + 1])
+        if lo == hi:
+            continue
+        tokens = banned.tokens[lo:hi]
+        bits = np.zeros(bitmask.shape[1], dtype=np.uint32)
+        np.bitwise_or.at(bits, tokens // 32, np.left_shift(1, tokens % 32).astype(np.uint32))
+        if not (bitmask[i].view(np.uint32) & ~bits).any():
+            lifted.append(r)
+    if not lifted:
+        return
+    keep = np.ones(len(offsets) - 1, dtype=bool)
+    keep[lifted] = False
+    lens = np.diff(offsets) * keep
+    new_offsets = np.zeros_like(offsets)
+    np.cumsum(lens, out=new_offsets[1:])
+    entries = np.repeat(keep, np.diff(offsets))
+    md.banned = TokenLists(new_offsets, banned.tokens[entries], banned.counts[entries])

@@ -1,4 +1,4 @@
-"""The `asyncllm` command: `serve`, `generate` and `bench`.
+"""The flags the `asyncllm` subcommands share, and their conversion to config.
 
 Every `EngineArgs` field is a flag (`--max-num-seqs`, `--enable-prefix-caching /
 --no-enable-prefix-caching`, ...), generated from the dataclass so none can be
@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-import sys
-from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import (
@@ -25,8 +22,7 @@ from asyncllm.config import (
     EngineArgs,
 )
 from asyncllm.default_model import DEFAULT_MODEL
-from asyncllm.errors import AsyncLLMError, ConfigError
-from asyncllm.placement import placement
+from asyncllm.sampling_params import SamplingParams
 
 ENGINE_HELP: dict[str, str] = {
     "tokenizer": "directory with tokenizer.json (default: the model directory)",
@@ -135,68 +131,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs the parsed engine flags name (validated by EngineArgs)."""
     names = [f.name for f in dataclasses.fields(EngineArgs)]
     return EngineArgs.from_kwargs(**{name: getattr(ns, name) for name in names})
-
-
-def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_args(p)
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    s.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' (all but /health); default: "
-        "$ASYNCLLM_API_KEY, which keeps the key out of the process list",
-    )
-    s.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="model name(s) clients use (default: the model path)",
-    )
-    s.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=None,
-        help="sequences (prompts x n) generated at once; requests beyond get HTTP 429 "
-        "(default: no limit)",
-    )
-    s.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template: a file, or the template itself (default: the model's "
-        "chat_template.jinja, else tokenizer_config.json's chat_template)",
-    )
-    s.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="render a request's own chat_template (in the same sandbox, with the same "
-        "limits); without it a request that sends one gets HTTP 400",
-    )
-    s.add_argument(
-        "--tool-call-parser",
-        default="hermes",
-        help="how tool calls are read from the model's output with tool_choice 'auto' "
-        "(known: hermes, for Hermes and Qwen models; default: hermes)",
-    )
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=10.0,
-        help="seconds in-flight requests may finish after SIGTERM before being aborted",
-    )
-    s.add_argument(
-        "--stats-interval",
-        type=float,
-        default=10.0,
-        help="seconds between stats log lines while busy (0: never)",
-    )
-    s.add_argument("--log-level", default="info", help="server log level (default: info)")
-    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_limit_args(p)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -213,38 +150,8 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _serve(ns: argparse.Namespace) -> int:
-    from asyncllm import envs
-    from asyncllm.server.config import LIMIT_HELP, ServerConfig
-    from asyncllm.server.launch import run_server
-    from asyncllm.server.tool_parsers import get_tool_parser
-
-    try:
-        config = ServerConfig(
-            served_model_names=ns.served_model_name or [ns.model],
-            api_key=ns.api_key or envs.api_key(),
-            max_concurrent_requests=ns.max_concurrent_requests,
-            chat_template=ns.chat_template,
-            trust_request_chat_template=ns.trust_request_chat_template,
-            tool_call_parser=ns.tool_call_parser,
-            shutdown_timeout=ns.shutdown_timeout,
-            stats_interval=ns.stats_interval,
-            **{name: getattr(ns, name) for name in LIMIT_HELP},
-        )
-        get_tool_parser(config.tool_call_parser)
-    except ConfigError as exc:
-        raise SystemExit(f"asyncllm serve: {exc}") from None
-    return run_server(
-        placement(engine_args_from(ns), "serve"),
-        config,
-        ns.host,
-        ns.port,
-        log_level=ns.log_level,
-        access_log=ns.access_log,
-    )
-
-
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s sampling flags, each with its SamplingParams default."""
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default: 1)")
@@ -256,9 +163,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
 
-def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
-    from asyncllm.sampling_params import SamplingParams
-
+def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> SamplingParams:
     return SamplingParams(
         max_tokens=ns.max_tokens,
         temperature=ns.temperature,
@@ -272,42 +177,24 @@ def sampling_params_from(ns: argparse.Namespace, **extra: Any) -> Any:
     )
 
 
-def _generate_parser(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate from prompts on the command line")
-    add_engine_args(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="one prompt, streamed to the terminal")
-    src.add_argument(
-        "--prompts-file", help="a file with one prompt per line ('-': stdin), run as a batch"
-    )
-    add_sampling_args(p)
+_SAMPLING_FLAGS = (
+    ("temperature", float, "sampling temperature (0 = greedy)"),
+    ("top_p", float, "nucleus sampling mass"),
+    ("top_k", int, "sample among the k most likely tokens"),
+    ("min_p", float, "minimum probability relative to the most likely token"),
+)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncllm", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    _generate_parser(sub)
-    from asyncllm.server import bench
-
-    bench.add_parser(sub)
-    ns = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(ns, "log_level", "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        if ns.command == "serve":
-            return _serve(ns)
-        if ns.command == "generate":
-            from asyncllm.server.generate import run_generate
-
-            return run_generate(ns)
-        return bench.run(ns)
-    except AsyncLLMError as exc:
-        print(f"asyncllm: error: {exc}", file=sys.stderr)
-        return 2
+def add_optional_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (unset: the server's or SamplingParams' defaults)")
+    for name, kind, text in _SAMPLING_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def optional_sampling_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The sampling parameters the user gave, and only those."""
+    return {
+        name: getattr(ns, name)
+        for name, _, _ in _SAMPLING_FLAGS
+        if getattr(ns, name, None) is not None
+    }

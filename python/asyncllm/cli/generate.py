@@ -6,14 +6,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import Any
 
+from asyncllm.cli.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_args_from,
+    sampling_params_from,
+)
 from asyncllm.config import EngineArgs
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-def run_generate(ns: argparse.Namespace) -> int:
-    from asyncllm.server.cli import engine_args_from, sampling_params_from
+def add_parser(sub: Any) -> None:
+    """`generate`: MODEL, the engine flags, a prompt or a file of them, sampling."""
+    p = sub.add_parser("generate", help="generate from prompts on the command line")
+    add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt, streamed to the terminal")
+    src.add_argument(
+        "--prompts-file", help="a file with one prompt per line ('-': stdin), run as a batch"
+    )
+    add_sampling_args(p)
 
+
+def run(ns: argparse.Namespace) -> int:
+    """Generate for `--prompt` (streamed) or `--prompts-file` (a batch); the exit status."""
     args = engine_args_from(ns)
     if ns.prompt is not None:
         return asyncio.run(_stream_one(args, ns.prompt, sampling_params_from(ns)))

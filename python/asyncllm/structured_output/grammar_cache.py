@@ -23,7 +23,7 @@ from pathlib import Path
 
 from asyncllm import _core
 from asyncllm.errors import InvalidRequestError
-from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.structured_output.params import StructuredOutputsParams
 
 # Compiled grammars kept (least recently used dropped first): a service usually
 # sends a handful of schemas over and over. Most grammars hold well under 1 MiB;

@@ -17,8 +17,8 @@ with a fresh matcher) are filled by a job queued after it. The mask of step N+1
 always follows the token of step N: the grammar thread runs its jobs in order, and
 nothing else touches a matcher meanwhile.
 
-Where to fill was measured on a 2-core box (benches/RESULTS.md, "constrained
-decoding within 10 %"): ahead of the step as here, then beside the forward pass,
+Where to fill was measured on a 2-core box (benches/history/2026-11-30_to_2026-12-01.md,
+"constrained decoding within 10 %"): ahead of the step as here, then beside the forward pass,
 then serially on the runner's thread before it, in that order. The fill runs
 serially on the grammar thread unless spare cores exist, since more threads only
 take the forward's cores from it. The sampler applies the masks as it reads each
@@ -32,16 +32,22 @@ that consumes the outputs it already has, so nothing is consumed twice.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from asyncllm import _core
-from asyncllm.core.scheduler_output import NewRequestData
-from asyncllm.grammar_cache import GrammarCache
+from asyncllm.structured_output.grammar_cache import GrammarCache
 
-if TYPE_CHECKING:  # torch: imported by the runner, not by the core that owns the rows
-    from asyncllm.worker.sampling_metadata import SamplingMetadata
+
+class NewConstrainedRequest(Protocol):
+    """What `GrammarRows.add` reads of a request the runner has not seen (the
+    scheduler's `NewRequestData`): its grammar, if any, and its tokens so far."""
+
+    req_id: int
+    grammar: Any
+    token_ids: list[int]
+    num_prompt_tokens: int
 
 
 def fill_threads() -> int:
@@ -91,7 +97,7 @@ class GrammarRows:
         self._buf: np.ndarray | None = None
         self._ahead: _Ahead | None = None
 
-    def add(self, new: NewRequestData) -> None:
+    def add(self, new: NewConstrainedRequest) -> None:
         if new.grammar is None:
             return
         matcher = new.grammar.matcher()
@@ -159,38 +165,3 @@ class GrammarRows:
             words = self.cache.compiler.words
             self._buf = np.zeros((2 * self.max_num_seqs, words), dtype=np.int32)
         return self._buf
-
-
-def let_grammar_win(md: SamplingMetadata) -> None:
-    """`min_tokens` against a grammar that allows only tokens the row may not take
-    yet (its output is complete: only EOS may follow) would leave the row nothing
-    to sample. The grammar wins: that row's ban is lifted, it samples EOS, and the
-    request finishes with "stop" (the core stops a constrained request on a stop
-    token before `min_tokens`: only this lets one through). Both samplers call it;
-    rows banned and constrained at once are few, so a loop over them is cheap."""
-    if md.allowed is None or md.banned is None:
-        return
-    from asyncllm.worker.sampling_metadata import TokenLists
-
-    rows, bitmask = md.allowed
-    banned = md.banned
-    offsets = banned.offsets
-    lifted: list[int] = []
-    for i, r in enumerate(rows.tolist()):
-        lo, hi = int(offsets[r]), int(offsets[r + 1])
-        if lo == hi:
-            continue
-        tokens = banned.tokens[lo:hi]
-        bits = np.zeros(bitmask.shape[1], dtype=np.uint32)
-        np.bitwise_or.at(bits, tokens // 32, np.left_shift(1, tokens % 32).astype(np.uint32))
-        if not (bitmask[i].view(np.uint32) & ~bits).any():
-            lifted.append(r)
-    if not lifted:
-        return
-    keep = np.ones(len(offsets) - 1, dtype=bool)
-    keep[lifted] = False
-    lens = np.diff(offsets) * keep
-    new_offsets = np.zeros_like(offsets)
-    np.cumsum(lens, out=new_offsets[1:])
-    entries = np.repeat(keep, np.diff(offsets))
-    md.banned = TokenLists(new_offsets, banned.tokens[entries], banned.counts[entries])

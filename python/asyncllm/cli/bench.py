@@ -25,6 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncllm.cli.args import (
+    add_engine_args,
+    add_optional_sampling_args,
+    engine_args_from,
+    optional_sampling_args,
+)
+
 _TEXT = (
     "the of and to in is was for on that with as by at from his her an were are which this be "
     "or has had not but what all when can there been one who their more time if will would "
@@ -33,30 +40,8 @@ _TEXT = (
 _WORDS = _TEXT.split()
 
 
-_SAMPLING_FLAGS = (
-    ("temperature", float, "sampling temperature (0 = greedy)"),
-    ("top_p", float, "nucleus sampling mass"),
-    ("top_k", int, "sample among the k most likely tokens"),
-    ("min_p", float, "minimum probability relative to the most likely token"),
-)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (unset: the server's or SamplingParams' defaults)")
-    for name, kind, text in _SAMPLING_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
-
-
-def sampling_args(ns: argparse.Namespace) -> dict[str, Any]:
-    """The sampling parameters the user gave, and only those."""
-    return {
-        name: getattr(ns, name)
-        for name, _, _ in _SAMPLING_FLAGS
-        if getattr(ns, name, None) is not None
-    }
-
-
 def add_parser(sub: Any) -> None:
+    """`asyncllm bench` and its kinds: serving, throughput, latency, overhead."""
     p = sub.add_parser("bench", help="measure a server or the engine")
     kinds = p.add_subparsers(dest="bench", required=True)
 
@@ -74,9 +59,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--api-key", default=None, help="sent as a Bearer token")
     s.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
-    _add_sampling_args(s)
-
-    from asyncllm.server.cli import add_engine_args
+    add_optional_sampling_args(s)
 
     for name, text in (
         ("throughput", "offline throughput of LLM.generate"),
@@ -94,7 +77,7 @@ def add_parser(sub: Any) -> None:
         )
         k.add_argument("--num-iters", type=int, default=3, help="timed repetitions")
         k.add_argument("--json", action="store_true", help="print the results as JSON")
-        _add_sampling_args(k)
+        add_optional_sampling_args(k)
 
     o = kinds.add_parser(
         "overhead", help="the engine core's per-step CPU gap, with the null executor"
@@ -217,7 +200,7 @@ async def bench_serving(ns: argparse.Namespace) -> dict[str, Any]:
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
-                **sampling_args(ns),
+                **optional_sampling_args(ns),
             }
             if chat:
                 body["messages"] = [{"role": "user", "content": prompt}]
@@ -267,7 +250,7 @@ def summarize(
         "failed": len(errors),
         "first_error": errors[0] if errors else None,
         "max_concurrency": ns.max_concurrency,
-        "sampling": sampling_args(ns),
+        "sampling": optional_sampling_args(ns),
         "request_rate": None if ns.request_rate == float("inf") else ns.request_rate,
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
@@ -286,12 +269,11 @@ def summarize(
 def bench_offline(ns: argparse.Namespace) -> dict[str, Any]:
     from asyncllm.frontend.llm import LLM
     from asyncllm.sampling_params import SamplingParams
-    from asyncllm.server.cli import engine_args_from
 
     args = engine_args_from(ns)
     rng = random.Random(0)
     kwargs = {f: getattr(args, f) for f in args.__dataclass_fields__ if f != "model"}
-    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, **sampling_args(ns))
+    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, **optional_sampling_args(ns))
     times = []
     with LLM(args.model, **kwargs) as llm:
         vocab = llm.get_tokenizer().vocab_size
@@ -311,7 +293,7 @@ def bench_offline(ns: argparse.Namespace) -> dict[str, Any]:
         "num_prompts": ns.num_prompts,
         "input_len": ns.input_len,
         "output_len": ns.output_len,
-        "sampling": sampling_args(ns),
+        "sampling": optional_sampling_args(ns),
         "median_s": best,
         "latencies_s": times,
         "request_throughput": ns.num_prompts / best,

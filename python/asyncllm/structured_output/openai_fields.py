@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.errors import ConfigError
-from asyncllm.structured_outputs import KINDS, StructuredOutputsParams
+from asyncllm.structured_output.params import KINDS, StructuredOutputsParams
 
 
 class FormatError(ValueError):

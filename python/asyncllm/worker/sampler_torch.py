@@ -30,28 +30,10 @@ from asyncllm.worker.input_batch import (
     I_STREAM,
     I_TOP_K,
 )
-from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists
-from asyncllm.worker.structured import let_grammar_win
+from asyncllm.worker.sampler_output import SamplerOutput
+from asyncllm.worker.sampling_metadata import SamplingMetadata, TokenLists, let_grammar_win
 
 _NEG_INF = float("-inf")
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    sampled: torch.Tensor  # [n] int64
-    # logprobs of the raw model distribution: ids/values [n, 1 + N] (sampled first), ranks [n]
-    logprob_ids: torch.Tensor | None = None
-    logprob_values: torch.Tensor | None = None
-    logprob_ranks: torch.Tensor | None = None
-    # [n] bool: rows whose logits had no finite maximum (sampled as their argmax);
-    # None: no such row. A device tensor on CUDA: reading it waits for the step.
-    nonfinite: torch.Tensor | None = None
-
-    def nonfinite_rows(self) -> list[int]:
-        """The rows of `nonfinite` (waits for the device)."""
-        if self.nonfinite is None:
-            return []
-        return self.nonfinite.nonzero().flatten().tolist()  # type: ignore[no-any-return]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,103 @@
+"""`asyncllm serve`: the OpenAI-compatible HTTP server over one engine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from asyncllm.cli.args import add_engine_args, add_limit_args, engine_args_from
+from asyncllm.errors import ConfigError
+from asyncllm.placement import placement
+
+
+def add_parser(sub: Any) -> None:
+    """`serve`: MODEL, the engine flags, the server's own and its limits."""
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (all but /health); default: "
+        "$ASYNCLLM_API_KEY, which keeps the key out of the process list",
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: the model path)",
+    )
+    s.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="sequences (prompts x n) generated at once; requests beyond get HTTP 429 "
+        "(default: no limit)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template: a file, or the template itself (default: the model's "
+        "chat_template.jinja, else tokenizer_config.json's chat_template)",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template (in the same sandbox, with the same "
+        "limits); without it a request that sends one gets HTTP 400",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="how tool calls are read from the model's output with tool_choice 'auto' "
+        "(known: hermes, for Hermes and Qwen models; default: hermes)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may finish after SIGTERM before being aborted",
+    )
+    s.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats log lines while busy (0: never)",
+    )
+    s.add_argument("--log-level", default="info", help="server log level (default: info)")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_limit_args(p)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the exit status. A bad server setting exits naming it."""
+    from asyncllm import envs
+    from asyncllm.server.config import LIMIT_HELP, ServerConfig
+    from asyncllm.server.launch import run_server
+    from asyncllm.server.tool_parsers import get_tool_parser
+
+    try:
+        config = ServerConfig(
+            served_model_names=ns.served_model_name or [ns.model],
+            api_key=ns.api_key or envs.api_key(),
+            max_concurrent_requests=ns.max_concurrent_requests,
+            chat_template=ns.chat_template,
+            trust_request_chat_template=ns.trust_request_chat_template,
+            tool_call_parser=ns.tool_call_parser,
+            shutdown_timeout=ns.shutdown_timeout,
+            stats_interval=ns.stats_interval,
+            **{name: getattr(ns, name) for name in LIMIT_HELP},
+        )
+        get_tool_parser(config.tool_call_parser)
+    except ConfigError as exc:
+        raise SystemExit(f"asyncllm serve: {exc}") from None
+    return run_server(
+        placement(engine_args_from(ns), "serve"),
+        config,
+        ns.host,
+        ns.port,
+        log_level=ns.log_level,
+        access_log=ns.access_log,
+    )

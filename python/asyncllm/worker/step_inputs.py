@@ -1,0 +1,91 @@
+"""One step's model inputs, gathered from the persistent `InputBatch`.
+
+Requests are laid out in attention order: the 1-token queries (decodes) first,
+then the prompt chunks, each in the scheduler's order. Everything here is
+vectorised numpy over the batch's rows; the only per-request Python work is
+reading the scheduler's dict of scheduled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.models.attention import AttentionMetadata, build_attention_metadata
+from asyncllm.worker.input_batch import InputBatch
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Per request (entry i of each array is `req_ids[i]`) and per token."""
+
+    req_ids: list[int]
+    rows: np.ndarray  # [n] int64: each request's row of the input batch
+    query_lens: np.ndarray  # [n] int32: tokens this step
+    context_lens: np.ndarray  # [n]: tokens already in the KV cache
+    seq_lens: np.ndarray  # [n]: context + query
+    cu_query_lens: np.ndarray  # [n]: cumulative query lengths (a request's last token is cu - 1)
+    num_tokens: int  # T, the step's tokens
+    token_rows: np.ndarray  # [T] int64: each token's row
+    positions: np.ndarray  # [T] int64
+    input_ids: np.ndarray  # [T]
+    slots: np.ndarray  # [T] int64: KV cache slot of each token
+    block_tables: np.ndarray  # [n, blocks the longest request reads]
+    sampled: np.ndarray  # [n] bool: all known tokens computed after this step, so it samples
+    attention: AttentionMetadata
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+def gather_step_inputs(
+    ib: InputBatch,
+    so: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    pass_prompt_lens: bool,
+) -> StepInputs:
+    """The inputs of a non-empty step whose requests `ib` already holds."""
+    req_ids = list(so.num_scheduled_tokens)
+    n = len(req_ids)
+    q = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=n)
+    rows = np.fromiter((ib.rows[r] for r in req_ids), dtype=np.int64, count=n)
+    if not (q == 1).all():
+        # attention takes the 1-token queries (decodes) first
+        order = np.argsort(q != 1, kind="stable")
+        q, rows = q[order], rows[order]
+        req_ids = [req_ids[i] for i in order]
+    ctx = ib.num_computed[rows]
+    seq_lens = ctx + q
+    cu = np.cumsum(q)
+    total = int(cu[-1])
+    bs = block_size
+    if total == n:  # decode-only step: one token per request
+        tok_rows, pos = rows, ctx.astype(np.int64)
+    else:
+        tok_rows = np.repeat(rows, q)
+        pos = np.arange(total, dtype=np.int64) + np.repeat(ctx - (cu - q), q)
+    slots = ib.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+    max_nb = int((seq_lens.max() + bs - 1) // bs)
+    tables = ib.block_table[rows, :max_nb]
+    prompt_lens = ib.num_prompt_tokens[rows] if pass_prompt_lens else None
+    return StepInputs(
+        req_ids=req_ids,
+        rows=rows,
+        query_lens=q,
+        context_lens=ctx,
+        seq_lens=seq_lens,
+        cu_query_lens=cu,
+        num_tokens=total,
+        token_rows=tok_rows,
+        positions=pos,
+        input_ids=ib.token_ids[tok_rows, pos],
+        slots=slots,
+        block_tables=tables,
+        sampled=seq_lens == ib.num_tokens[rows],
+        attention=build_attention_metadata(q, ctx, tables, slots, bs, device, prompt_lens),
+    )
