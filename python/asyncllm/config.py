@@ -13,40 +13,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
+from asyncllm.config_rules import (
+    DTYPES,
+    check_fields,
+    parse_cpu_list,
+)
+from asyncllm.config_rules import fail as _fail
 from asyncllm.default_model import DEFAULT_MODEL, resolve_model
 from asyncllm.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
-DEVICES = ("auto", "cpu", "cuda")
-EXECUTORS = ("torch", "null")
-DATA_PARALLEL_BACKENDS = ("mp", "ray")
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
-OMP_WAIT_POLICIES = ("passive", "active", "inherit")
-LINEAR_KERNELS = ("auto", "torch", "onednn", "rust")
-_MAX_BLOCK_SIZE = 256
-_MAX_DATA_PARALLEL = 64
-_MAX_TENSOR_PARALLEL = 64
 _DEFAULT_CPU_KV_GIB = 1.0
 _DEFAULT_CUDA_KV_FRACTION = 0.8
 
 logger = logging.getLogger(__name__)
-
-
-def _fail(name: str, value: object, allowed: str) -> ConfigError:
-    return ConfigError(f"EngineArgs.{name}={value!r} is invalid: must be {allowed}")
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value <= high  # type: ignore[operator]
-    if not ok:
-        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
-        raise _fail(name, value, allowed)
 
 
 @dataclass
@@ -153,108 +135,23 @@ class EngineArgs:
                 f"the path of a local Hugging Face model directory or {DEFAULT_MODEL!r}",
             )
         self.model = resolve_model(str(self.model))
-        if self.tokenizer is not None and not isinstance(self.tokenizer, str | Path):
-            raise _fail("tokenizer", self.tokenizer, "None or a local directory path")
-        if self.tokenizer is not None:
-            self.tokenizer = str(self.tokenizer)
-        if self.dtype not in DTYPES:
-            raise _fail("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise _fail(
-                "kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}"
-            )
-        if self.device not in DEVICES:
-            raise _fail("device", self.device, f"one of {', '.join(DEVICES)}")
-        _check_int("block_size", self.block_size, 1, _MAX_BLOCK_SIZE)
-        if self.block_size & (self.block_size - 1):
-            raise _fail("block_size", self.block_size, f"a power of two in [1, {_MAX_BLOCK_SIZE}]")
-        if self.kv_cache_memory_gib is not None and not (
-            isinstance(self.kv_cache_memory_gib, int | float)
-            and not isinstance(self.kv_cache_memory_gib, bool)
-            and 0 < self.kv_cache_memory_gib <= 4096
-        ):
-            raise _fail("kv_cache_memory_gib", self.kv_cache_memory_gib, "None or in (0, 4096]")
-        if self.num_kv_blocks is not None:
-            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.trace_dir is None:
+            self.trace_dir = envs.trace_dir()
+        check_fields(self)  # each field's own constraint (asyncllm.config_rules)
+        for name in ("tokenizer", "trace_dir", "profile_dir"):
+            if getattr(self, name) is not None:
+                setattr(self, name, str(getattr(self, name)))
+        # the constraints between fields
         if self.num_kv_blocks is not None and self.kv_cache_memory_gib is not None:
             raise ConfigError(
                 "EngineArgs.num_kv_blocks and EngineArgs.kv_cache_memory_gib are exclusive: "
                 "give the KV-cache size one way"
             )
-        _check_int("max_num_seqs", self.max_num_seqs, 1, 65536)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
-        if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, 1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise _fail("enable_prefix_caching", self.enable_prefix_caching, "a bool")
-        _check_int("seed", self.seed, 0, 2**63 - 1)
-        if self.executor not in EXECUTORS:
-            raise _fail("executor", self.executor, f"one of {', '.join(EXECUTORS)}")
-        if not (
-            isinstance(self.null_step_delay_ms, int | float)
-            and not isinstance(self.null_step_delay_ms, bool)
-            and 0 <= self.null_step_delay_ms <= 60_000
-        ):
-            raise _fail("null_step_delay_ms", self.null_step_delay_ms, "in [0, 60000]")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise _fail("async_scheduling", self.async_scheduling, "None (auto) or a bool")
-        if self.trace_dir is None:
-            self.trace_dir = envs.trace_dir()
-        for name in ("trace_dir", "profile_dir"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str | Path) or not str(value)):
-                raise _fail(name, value, "None or a directory path")
-            if value is not None:
-                setattr(self, name, str(value))
-        if not isinstance(self.collect_step_timings, bool):
-            raise _fail("collect_step_timings", self.collect_step_timings, "a bool")
-        _check_int("data_parallel_size", self.data_parallel_size, 1, _MAX_DATA_PARALLEL)
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, _MAX_TENSOR_PARALLEL)
         if self.tensor_parallel_size > 1 and self.executor == "null":
             raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 with executor='null'")
-        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise _fail(
-                "distributed_executor_backend",
-                self.distributed_executor_backend,
-                f"one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}",
-            )
-        if self.num_threads is not None:
-            _check_int("num_threads", self.num_threads, 1, 1024)
-        if not isinstance(self.compile, bool):
-            raise _fail("compile", self.compile, "a bool")
-        if not isinstance(self.cpu_bind, str):
-            raise _fail("cpu_bind", self.cpu_bind, "a string")
-        parse_cpu_list(self.cpu_bind)
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise _fail("linear_kernel", self.linear_kernel, " or ".join(map(repr, LINEAR_KERNELS)))
-        if not isinstance(self.batch_invariant, bool):
-            raise _fail("batch_invariant", self.batch_invariant, "a bool")
-        if self.pin_threads is not None and not isinstance(self.pin_threads, bool):
-            raise _fail("pin_threads", self.pin_threads, "None (auto) or a bool")
         if self.pin_threads and self.data_parallel_size > 1:
             raise _fail("pin_threads", self.pin_threads, "False with data_parallel_size > 1")
-        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
-            raise _fail(
-                "omp_wait_policy", self.omp_wait_policy, f"one of {', '.join(OMP_WAIT_POLICIES)}"
-            )
-        if not isinstance(self.prefix_aware_routing, bool):
-            raise _fail("prefix_aware_routing", self.prefix_aware_routing, "a bool")
-        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
-            raise _fail(
-                "data_parallel_backend",
-                self.data_parallel_backend,
-                f"one of {', '.join(DATA_PARALLEL_BACKENDS)}",
-            )
-        if self.data_parallel_address is not None and not (
-            isinstance(self.data_parallel_address, str)
-            and 0 < len(self.data_parallel_address) <= 255
-            and self.data_parallel_address not in ("*", "0.0.0.0", "::")
-        ):
-            raise _fail(
-                "data_parallel_address",
-                self.data_parallel_address,
-                "None or one interface's host name or IP address (not all interfaces)",
-            )
+        parse_cpu_list(self.cpu_bind)
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -428,23 +325,3 @@ def _config_dtype(hf_config: Any) -> str:
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(value).removeprefix("torch.") if value is not None else "float32"
     return name if name in DTYPES else "float32"
-
-
-def parse_cpu_list(spec: str) -> list[int] | None:
-    """The CPUs of a `cpu_bind` list such as "2-7" or "0,2,4-5"; None for "auto" and
-    "nobind". Raises ConfigError naming `cpu_bind` on anything else."""
-    if spec in ("auto", "nobind"):
-        return None
-    cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            first, last = int(lo), int(hi if dash else lo)
-            if first < 0 or last < first or last >= 4096:
-                raise ValueError(part)
-            cpus.update(range(first, last + 1))
-    except ValueError:
-        raise _fail(
-            "cpu_bind", spec, "'auto', 'nobind' or a CPU list such as '2-7' or '0,2,4-5'"
-        ) from None
-    return sorted(cpus)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from asyncllm.config import EngineArgs, parse_cpu_list
+from asyncllm.config import EngineArgs
+from asyncllm.config_rules import parse_cpu_list
 from asyncllm.errors import ConfigError
 
 ENTRY_POINTS = ("serve", "async", "offline")

@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from asyncllm.config import (
+from asyncllm.config import EngineArgs
+from asyncllm.config_rules import (
     DATA_PARALLEL_BACKENDS,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -19,7 +20,6 @@ from asyncllm.config import (
     EXECUTORS,
     KV_CACHE_DTYPES,
     OMP_WAIT_POLICIES,
-    EngineArgs,
 )
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.sampling_params import SamplingParams

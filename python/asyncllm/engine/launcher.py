@@ -16,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncllm.config import EngineArgs, parse_cpu_list
+from asyncllm.config import EngineArgs
+from asyncllm.config_rules import parse_cpu_list
 from asyncllm.engine.ray_launcher import cluster_environment
 
 logger = logging.getLogger(__name__)
