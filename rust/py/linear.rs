@@ -3,7 +3,7 @@
 //! checked with the GIL held; `x` (a few rows) is copied, the weight read in place
 //! and the kernel run with the GIL released.
 
-use pyo3::buffer::{Element, PyBuffer};
+use pyo3::buffer::{Element, PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -18,14 +18,41 @@ enum Operand {
 }
 
 impl Operand {
+    /// The buffer, typed by its format: one export and no failed attempt on the
+    /// per-step path (a decode step makes a few hundred of these calls).
     fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
-        match buffer::<f32>(obj, name, "float32 or bfloat16 bits (int16)", 2) {
-            Ok(buf) => Ok(Operand::F32(buf)),
-            Err(err) => match buffer::<i16>(obj, name, "int16", 2) {
-                Ok(buf) => Ok(Operand::Bf16(buf)),
-                Err(_) => Err(err),
-            },
+        let raw = PyUntypedBuffer::get(obj).map_err(|_| {
+            PyValueError::new_err(format!(
+                "{name} must support the buffer protocol (pass tensor.numpy())"
+            ))
+        })?;
+        let format = raw.format().to_bytes();
+        let op = match format.strip_prefix(b"=").unwrap_or(format) {
+            b"f" => raw.into_typed::<f32>().map(Operand::F32),
+            b"h" => raw.into_typed::<i16>().map(Operand::Bf16),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "{name} must hold float32 or bfloat16 bits (int16), got buffer format {:?}",
+                    String::from_utf8_lossy(format)
+                )))
+            }
         }
+        .map_err(|_| PyValueError::new_err(format!("{name}: unreadable buffer")))?;
+        let (ndim, contiguous) = match &op {
+            Operand::F32(b) => (b.dimensions(), b.is_c_contiguous()),
+            Operand::Bf16(b) => (b.dimensions(), b.is_c_contiguous()),
+        };
+        if ndim != 2 {
+            return Err(PyValueError::new_err(format!(
+                "{name} must have 2 dimensions, got {ndim}"
+            )));
+        }
+        if !contiguous {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be C-contiguous (call .contiguous() on the tensor)"
+            )));
+        }
+        Ok(op)
     }
 
     fn shape(&self) -> &[usize] {

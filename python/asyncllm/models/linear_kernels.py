@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,23 +56,30 @@ def run_onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # type: ignore[no-any-return]
 
 
+def as_buffer(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the buffer the extension reads: float32 as it is, bfloat16 as
+    its bits (int16; numpy has no bfloat16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def run_rust(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_threads: int,
+    weight_buffer: np.ndarray | None = None,
+    bias_buffer: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """`_core._linear` on CPU tensors: float32, or bfloat16 passed as int16 bits."""
+    """`_core._linear` on CPU tensors: float32, or bfloat16 passed as int16 bits.
+    `weight_buffer` / `bias_buffer`: the weight's and the float32 bias's buffers,
+    made once by a layer that calls this every step."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    b = None if bias is None else bias.float().numpy()
-    if x.dtype == torch.bfloat16:
-        _core._linear(
-            out.view(torch.int16).numpy(),
-            x.view(torch.int16).numpy(),
-            weight.view(torch.int16).numpy(),
-            b,
-            num_threads,
-        )
-    else:
-        _core._linear(out.numpy(), x.numpy(), weight.numpy(), b, num_threads)
+    if bias is not None and bias_buffer is None:
+        bias_buffer = bias.float().numpy()
+    if weight_buffer is None:
+        weight_buffer = as_buffer(weight)
+    _core._linear(as_buffer(out), as_buffer(x), weight_buffer, bias_buffer, num_threads)
     return out
 
 
@@ -107,23 +116,42 @@ class KernelLinear(nn.Module):
             weight = nn.Parameter(weight, requires_grad=False)
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self._run: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = tuple(
-            self._runner(k) for k in self.kernels
+        # The rust kernel's operands that do not change, as buffers, made once.
+        self._w_buf = as_buffer(weight.detach()) if "rust" in kernels else None
+        self._b_buf = None if self.bias is None else self.bias.detach().float().numpy()
+        runners = {k: self._runner(k) for k in set(self.kernels)}
+        # The kernel of every row count up to the last bucket, looked up by index on
+        # the per-step path (beyond it: the last bucket's).
+        self._by_rows: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = tuple(
+            runners[self.kernels[min(bisect.bisect_left(BUCKETS, r), len(BUCKETS) - 1)]]
+            for r in range(BUCKETS[-1] + 1)
         )
 
     def _runner(self, kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
         if kernel == "onednn":
-            return lambda x: run_onednn(x, self.weight, self.bias)
+            return partial(_onednn_of, self)
         if kernel == "rust":
-            return lambda x: run_rust(x, self.weight, self.bias, self.num_threads)
-        return lambda x: F.linear(x, self.weight, self.bias)
+            return partial(_rust_of, self)
+        return partial(_torch_of, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-        i = min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)
         if x.dim() == 2:
-            return self._run[i](x)
-        return self._run[i](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+            return self._by_rows[min(x.shape[0], BUCKETS[-1])](x)
+        rows = x.reshape(-1, x.shape[-1])
+        out = self._by_rows[min(rows.shape[0], BUCKETS[-1])](rows)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernels={self.kernels}"
+
+
+def _torch_of(layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _onednn_of(layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+    return run_onednn(x, layer.weight, layer.bias)
+
+
+def _rust_of(layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+    return run_rust(x, layer.weight, layer.bias, layer.num_threads, layer._w_buf, layer._b_buf)
