@@ -152,7 +152,7 @@ def compile_times(tokenizer_json: Path) -> None:
 def engine(args, model: Path) -> None:
     from asyncllm import LLM, SamplingParams, StructuredOutputsParams
     from asyncllm.engine import core
-    from asyncllm.worker import structured
+    from asyncllm.structured_output import rows as structured
 
     spent: list[float] = []  # each mask job's run on the grammar thread
     steps: list[float] = []  # when each engine step began
