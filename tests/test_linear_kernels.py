@@ -162,6 +162,9 @@ def _logprobs(llm: LLM, prompts: list[str]) -> list[list[float]]:
 
 
 def test_batch_invariant_engine_gives_a_prompt_the_same_bits_alone_and_in_a_batch() -> None:
+    """On the shipped model's short prompts, where the prefill attention has nothing
+    to split differently: the linear layers' invariance seen through the engine (the
+    prefill attention is not batch-invariant yet: README)."""
     llm = LLM(batch_invariant=True, multiprocess=False, dtype="float32")
     try:
         prompt = "def add(a, b):"
