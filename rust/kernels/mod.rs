@@ -7,6 +7,7 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod bf16;
+mod decode_layers;
 mod linear;
 mod paged_attention;
 mod peak;
@@ -18,6 +19,7 @@ mod tests;
 mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
+pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,

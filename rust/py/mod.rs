@@ -2,6 +2,7 @@
 //! wrap the results.
 
 mod codec;
+mod decode_layers;
 mod detok;
 mod errors;
 mod kernels;
@@ -32,6 +33,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire_version, m)?)?;
     errors::register(m)?;
     codec::register(m)?;
+    decode_layers::register(m)?;
     detok::register(m)?;
     kernels::register(m)?;
     linear::register(m)?;

@@ -24,6 +24,7 @@ import torch
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.messages import Logprobs
+from asyncllm.models.fused_decode import FusedDecode, unsupported
 from asyncllm.models.loader import load_model
 from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
@@ -93,6 +94,7 @@ class ModelRunner:
             mode=config.linear_kernel,
             batch_invariant=config.batch_invariant,
             num_threads=torch.get_num_threads(),
+            prefer_plain=config.fused_decode and unsupported(self.model) is None,
         )
         # Phi-3's longrope rotates a whole sequence by its prompt's length.
         self._pass_prompt_lens = bool(getattr(self.model, "uses_prompt_lens", False))
@@ -108,6 +110,10 @@ class ModelRunner:
             from asyncllm.worker.compile import compile_model
 
             compile_model(self.model, self.kv_caches, config.block_size)
+        if config.fused_decode and tp is None:
+            self.model.fused_decode = FusedDecode.build(
+                self.model, self.kv_caches, torch.get_num_threads()
+            )
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
         # Draws are keyed by (seed, output position), so a resumed request goes on
