@@ -11,10 +11,12 @@
 //! after a 16 MB read. In one call the work between the products is a few
 //! microseconds of arithmetic on vectors that stay in L1.
 //!
-//! Same numbers as the torch path, rounding where it rounds: every intermediate
-//! the torch path holds as a tensor of the model's dtype is rounded to that dtype
-//! here too (bf16: round to nearest even, as torch), and elementwise ops compute
-//! in f32 as torch's CPU kernels do. Products run on `linear` (one reduction
+//! The torch path's numbers, rounding where it rounds: every intermediate the
+//! torch path holds as a tensor of the model's dtype is rounded to that dtype here
+//! too (bf16: round to nearest even, as torch), and elementwise ops compute in f32
+//! as torch's CPU kernels do; only `exp` and `sqrt` are Rust's, which may differ
+//! from torch's vectorised ones in the last bit (a bf16 value then differs by one
+//! unit in the last place now and then). Products run on `linear` (one reduction
 //! order for any row count) and attention on `paged_attention`, so a row gives
 //! the same bits alone and in a batch.
 

@@ -12,8 +12,14 @@ It serves Llama-shaped layers only (Llama, Mistral, Qwen2, SmolLM: pre-norm
 RMSNorm, fused q/k/v with optional bias, rotate-half rotary over the whole head,
 SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
 layout (a weight reordered for oneDNN cannot be read here), and steps whose rows
-are all decodes, at most `MAX_ROWS` of them. Anything else takes the torch path,
-which computes the same numbers: the kernel rounds where the torch path rounds.
+are all decodes, at most `MAX_ROWS` of them. Anything else takes the torch path.
+
+The numbers are the torch path's: the kernel rounds to the model's dtype wherever
+the torch path holds a tensor, and runs the same matrix-vector and attention
+kernels; only exp (SiLU) and the square root (RMSNorm) are the Rust library's, not
+torch's vectorised ones, so a bfloat16 value now and then differs in its last bit
+(tests/test_fused_decode.py bounds it). A row's result does not depend on the rows
+beside it.
 """
 
 from __future__ import annotations
