@@ -21,6 +21,7 @@ from asyncllm.models.fused_decode import MAX_ROWS, unsupported
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.linear_kernels import as_buffer
 from asyncllm.worker.model_runner import ModelRunner
+from test_linear_kernels import ISA_FLAGS
 from tiny_models import make_tiny_model
 
 # Prompts that end inside the first block, just past it, and in the second.
@@ -178,9 +179,9 @@ def _cpu_flags() -> list[str]:
         return []
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512bf16"])
 def test_every_isa_path_forced_gives_the_torch_paths_logits(isa: str) -> None:
-    needs = {"portable": [], "avx2": ["avx2", "fma"], "avx512": ["avx2", "fma", "avx512f"]}[isa]
+    needs = ISA_FLAGS[isa]
     flags = _cpu_flags()
     if needs and not flags:
         pytest.skip("no /proc/cpuinfo: cannot tell which ISA this CPU has")
@@ -189,7 +190,7 @@ def test_every_isa_path_forced_gives_the_torch_paths_logits(isa: str) -> None:
     test = f"{__file__}::test_fused_decode_gives_the_torch_paths_logits[qwen2-bfloat16]"
     done = subprocess.run(
         [sys.executable, "-c", _ISA_CHECK, test],
-        env=dict(os.environ, ASYNCLLM_KERNEL_ISA=isa),
+        env=dict(os.environ, ASYNCLLM_KERNEL_ISA="auto" if isa == "avx512bf16" else isa),
         cwd=Path(__file__).parents[1],
         capture_output=True,
         text=True,

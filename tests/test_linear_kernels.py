@@ -83,6 +83,16 @@ print("ok", want)
 """
 
 
+# The CPU flags each variant needs; "avx512bf16" is what "auto" picks where the
+# CPU has them (bf16 x bf16 products on vdpbf16ps).
+ISA_FLAGS = {
+    "portable": [],
+    "avx2": ["avx2", "fma"],
+    "avx512": ["avx2", "fma", "avx512f"],
+    "avx512bf16": ["avx2", "fma", "avx512f", "avx512_bf16"],
+}
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -91,15 +101,15 @@ def _cpu_flags() -> str:
         return ""
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512bf16"])
 def test_every_isa_path_forced_matches_the_reference(isa: str) -> None:
     flags = _cpu_flags().split()
-    needs = {"portable": [], "avx2": ["avx2", "fma"], "avx512": ["avx2", "fma", "avx512f"]}[isa]
+    needs = ISA_FLAGS[isa]
     if not flags and isa != "portable":
         pytest.skip("no /proc/cpuinfo: cannot tell which ISA this CPU has")
     if any(f not in flags for f in needs):
         pytest.skip(f"this CPU lacks {needs}")
-    env = dict(os.environ, ASYNCLLM_KERNEL_ISA=isa)
+    env = dict(os.environ, ASYNCLLM_KERNEL_ISA="auto" if isa == "avx512bf16" else isa)
     done = subprocess.run(
         [sys.executable, "-c", _ISA_CHECK, isa],
         env=env,

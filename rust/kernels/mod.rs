@@ -9,6 +9,9 @@
 mod bf16;
 mod decode_layers;
 mod linear;
+#[cfg(target_arch = "x86_64")]
+mod linear_dpbf16;
+mod linear_simd;
 mod paged_attention;
 mod peak;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
