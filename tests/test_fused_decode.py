@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_linear_kernels import ISA_FLAGS
 
 from asyncllm import EngineArgs, SamplingParams
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
@@ -21,7 +22,6 @@ from asyncllm.models.fused_decode import MAX_ROWS, unsupported
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.linear_kernels import as_buffer
 from asyncllm.worker.model_runner import ModelRunner
-from test_linear_kernels import ISA_FLAGS
 from tiny_models import make_tiny_model
 
 # Prompts that end inside the first block, just past it, and in the second.
