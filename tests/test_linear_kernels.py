@@ -163,29 +163,6 @@ def test_bad_settings_name_the_field() -> None:
         EngineArgs(batch_invariant="yes")  # type: ignore[arg-type]
 
 
-def _logprobs(llm: LLM, prompts: list[str]) -> list[list[float]]:
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [
-        [next(iter(step.values())).logprob for step in o.outputs[0].logprobs or []] for o in outs
-    ]
-
-
-def test_batch_invariant_engine_gives_a_prompt_the_same_bits_alone_and_in_a_batch() -> None:
-    """On the shipped model's short prompts, where the prefill attention has nothing
-    to split differently: the linear layers' invariance seen through the engine (the
-    prefill attention is not batch-invariant yet: README)."""
-    llm = LLM(batch_invariant=True, multiprocess=False, dtype="float32")
-    try:
-        prompt = "def add(a, b):"
-        alone = _logprobs(llm, [prompt])[0]
-        others = ["import os\n", "class Stack:", "for i in range(10):", "x = [1, 2"]
-        batched = _logprobs(llm, others + [prompt] + others)[len(others)]
-        assert alone == batched
-    finally:
-        llm.shutdown()
-
-
 def test_every_forced_kernel_gives_the_default_models_greedy_text() -> None:
     texts = []
     for kernel in ("torch", "onednn", "rust"):

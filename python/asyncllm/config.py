@@ -108,8 +108,9 @@ class EngineArgs:
     linear_kernel: str = field(default_factory=envs.linear_kernel)
     # Batch invariance (vLLM's VLLM_BATCH_INVARIANT): every linear layer runs the
     # rust kernel, whose result for a row is the same whatever rows share its step,
-    # so a request's logits do not depend on the batch (slower prefill). Default:
-    # ASYNCLLM_BATCH_INVARIANT.
+    # and prompt tokens attend one by one on the decode kernel, so a request's
+    # logits do not depend on the batch or on its prompt's chunks (slower prefill).
+    # Default: ASYNCLLM_BATCH_INVARIANT.
     batch_invariant: bool = field(default_factory=envs.batch_invariant)
     # Small all-decode steps of Llama-shaped models run every decoder layer in one
     # extension call (asyncllm.models.fused_decode): the same numbers as the torch

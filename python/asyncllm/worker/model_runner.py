@@ -156,7 +156,12 @@ class ModelRunner:
         if so.is_empty:
             return None
         return gather_step_inputs(
-            self.input_batch, so, self.block_size, self.device, self._pass_prompt_lens
+            self.input_batch,
+            so,
+            self.block_size,
+            self.device,
+            self._pass_prompt_lens,
+            token_wise=self.config.batch_invariant,
         )
 
     def _request_masks(self, step: StepInputs) -> StepMasks | None:
