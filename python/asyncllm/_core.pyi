@@ -543,6 +543,22 @@ class _DecodePlan:
         [m, n] and seq_lens [m] int64. Raises ValueError, writing nothing, on any
         shape, slot, length or block id out of range."""
 
+def _rms_norm(out: _Buffer, x: _Buffer, weight: _Buffer, eps: float, num_threads: int) -> None:
+    """out = rms_norm(x) * weight, row by row (rows of len(weight); rust/kernels/
+    elementwise.rs): float32, or bfloat16 as int16 bits, one dtype for all; in
+    float32, rounded where asyncllm.models.layers.rms_norm rounds. C-contiguous, out
+    writable and apart from the rest. Raises ValueError on a dtype or shape problem."""
+
+def _add_rms_norm(
+    out: _Buffer, residual: _Buffer, x: _Buffer, weight: _Buffer, eps: float, num_threads: int
+) -> None:
+    """residual += x (rounded to the dtype, in place), then out = rms_norm(residual) *
+    weight, row by row; as `_rms_norm` otherwise (residual also writable and apart)."""
+
+def _silu_mul(out: _Buffer, gate_up: _Buffer, num_threads: int) -> None:
+    """out[r] = silu(gate[r]) * up[r] from the fused gate/up rows [rows, 2 * inter]
+    (gate first) into out [rows, inter]; as `_rms_norm` otherwise."""
+
 def _fma_peak(num_threads: int, iters: int) -> tuple[float, str]:
     """(float operations per second, ISA variant) of `num_threads` threads each
     running `iters` rounds of 12 independent vector fused multiply-adds: the CPU's

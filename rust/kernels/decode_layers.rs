@@ -21,6 +21,7 @@
 //! the same bits alone and in a batch.
 
 use super::bf16::KvElem;
+use super::elementwise::{add_in_place, narrow, rms_norm_row, round, silu_mul_row, widen};
 use super::linear::{linear, Elem, LinearShape};
 use super::paged_attention::{paged_decode_attention, DecodeShape, KvCache};
 use super::KernelError;
@@ -147,7 +148,7 @@ pub fn decode_layers<E: Elem, C: Elem + KvElem>(
     let mut s = Scratch::new(&d, m);
     let blocks_per_seq = step.block_tables.len() / m;
     for (w, cache) in layers.iter_mut() {
-        rms_norm(hidden, w.input_norm, d.eps, &mut s.normed);
+        rms_norm_rows(hidden, w.input_norm, d.eps, &mut s.normed);
         let shape = LinearShape {
             m,
             k: h,
@@ -199,7 +200,7 @@ pub fn decode_layers<E: Elem, C: Elem + KvElem>(
             &mut s.out,
         )?;
         add_in_place(hidden, &s.out);
-        rms_norm(hidden, w.post_norm, d.eps, &mut s.normed);
+        rms_norm_rows(hidden, w.post_norm, d.eps, &mut s.normed);
         let shape = LinearShape {
             m,
             k: h,
@@ -213,7 +214,7 @@ pub fn decode_layers<E: Elem, C: Elem + KvElem>(
             num_threads,
             &mut s.gate_up,
         )?;
-        silu_mul(&s.gate_up, inter, &mut s.act);
+        silu_mul_rows(&s.gate_up, inter, &mut s.act);
         linear(
             LinearShape { m, k: inter, n: h },
             &s.act,
@@ -259,23 +260,19 @@ impl<E: Elem> Scratch<E> {
     }
 }
 
-/// `x` rounded to the element type and back: what storing it in a tensor of the
-/// model's dtype does (nothing for f32).
-#[inline(always)]
-fn round<E: Elem>(x: f32) -> f32 {
-    E::from_f32(x).to_f32()
-}
-
-/// RMSNorm of each row of `x` into `out`, as `asyncllm.models.layers.rms_norm`:
-/// in f32, the normalised row rounded to the dtype before the weight multiplies.
-fn rms_norm<E: Elem>(x: &[E], weight: &[E], eps: f32, out: &mut [E]) {
+fn rms_norm_rows<E: Elem>(x: &[E], weight: &[E], eps: f32, out: &mut [E]) {
     let h = weight.len();
     for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let sum: f32 = row.iter().map(|v| v.to_f32() * v.to_f32()).sum();
-        let inv = 1.0 / (sum / h as f32 + eps).sqrt();
-        for ((d, v), w) in dst.iter_mut().zip(row).zip(weight) {
-            *d = E::from_f32(round::<E>(v.to_f32() * inv) * w.to_f32());
-        }
+        rms_norm_row(row, weight, eps, dst);
+    }
+}
+
+fn silu_mul_rows<E: Elem>(gate_up: &[E], inter: usize, out: &mut [E]) {
+    for (row, dst) in gate_up
+        .chunks_exact(2 * inter)
+        .zip(out.chunks_exact_mut(inter))
+    {
+        silu_mul_row(row, dst);
     }
 }
 
@@ -296,41 +293,6 @@ fn rotate<E: Elem>(row: &mut [E], head_dim: usize, cos: &[E], sin: &[E], q32: &m
         }
     }
     widen(&row[..q32.len()], q32);
-}
-
-fn widen<E: Elem>(src: &[E], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = s.to_f32();
-    }
-}
-
-fn narrow<E: Elem>(src: &[f32], dst: &mut [E]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = E::from_f32(*s);
-    }
-}
-
-/// `x += y`, rounded to the dtype.
-fn add_in_place<E: Elem>(x: &mut [E], y: &[E]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a = E::from_f32(a.to_f32() + b.to_f32());
-    }
-}
-
-/// `silu(gate) * up` per row of `gate_up` (`[m, 2 * inter]`, gate first), each
-/// op rounded to the dtype as torch's are.
-fn silu_mul<E: Elem>(gate_up: &[E], inter: usize, out: &mut [E]) {
-    for (row, dst) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
-        let (gate, up) = row.split_at(inter);
-        for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
-            let g = g.to_f32();
-            let silu = round::<E>(g / (1.0 + (-g).exp()));
-            *d = E::from_f32(silu * u.to_f32());
-        }
-    }
 }
 
 /// The step's row count, after checking every operand against `dims`: weight

@@ -8,6 +8,7 @@
 
 mod bf16;
 mod decode_layers;
+mod elementwise;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_dpbf16;
@@ -23,6 +24,7 @@ mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
 pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
+pub use elementwise::{add_rms_norm, rms_norm, silu_mul};
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,

@@ -13,13 +13,13 @@ use crate::error::Error;
 use crate::kernels::{decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, KvElem, LayerWeights};
 
 /// A C-contiguous buffer of float32 or of bfloat16 bits (int16), any shape.
-enum Buf {
+pub(super) enum Buf {
     F32(PyBuffer<f32>),
     Bf16(PyBuffer<i16>),
 }
 
 impl Buf {
-    fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+    pub(super) fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
         let raw = PyUntypedBuffer::get(obj).map_err(|_| {
             PyValueError::new_err(format!("{name} must support the buffer protocol"))
         })?;
@@ -42,25 +42,32 @@ impl Buf {
         Ok(buf)
     }
 
-    fn contiguous(&self) -> bool {
+    pub(super) fn contiguous(&self) -> bool {
         match self {
             Buf::F32(b) => b.is_c_contiguous(),
             Buf::Bf16(b) => b.is_c_contiguous(),
         }
     }
 
-    fn is_bf16(&self) -> bool {
+    pub(super) fn readonly(&self) -> bool {
+        match self {
+            Buf::F32(b) => b.readonly(),
+            Buf::Bf16(b) => b.readonly(),
+        }
+    }
+
+    pub(super) fn is_bf16(&self) -> bool {
         matches!(self, Buf::Bf16(_))
     }
 
-    fn shape(&self) -> &[usize] {
+    pub(super) fn shape(&self) -> &[usize] {
         match self {
             Buf::F32(b) => b.shape(),
             Buf::Bf16(b) => b.shape(),
         }
     }
 
-    fn bytes(&self) -> (usize, usize) {
+    pub(super) fn bytes(&self) -> (usize, usize) {
         match self {
             Buf::F32(b) => byte_range(b),
             Buf::Bf16(b) => byte_range(b),
@@ -72,7 +79,7 @@ impl Buf {
     /// # Safety
     /// `E` matches the variant (f32 for `F32`, u16 for `Bf16`), and nothing
     /// writes the buffer while the slice lives.
-    unsafe fn slice<E>(&self) -> &[E] {
+    pub(super) unsafe fn slice<E>(&self) -> &[E] {
         let (ptr, len) = match self {
             Buf::F32(b) => (data_ptr(b).cast::<E>(), b.item_count()),
             Buf::Bf16(b) => (data_ptr(b).cast::<E>(), b.item_count()),
@@ -83,14 +90,14 @@ impl Buf {
         unsafe { std::slice::from_raw_parts(ptr, len) }
     }
 
-    fn ptr_mut<E>(&self) -> *mut E {
+    pub(super) fn ptr_mut<E>(&self) -> *mut E {
         match self {
             Buf::F32(b) => data_ptr(b).cast(),
             Buf::Bf16(b) => data_ptr(b).cast(),
         }
     }
 
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Buf::F32(b) => b.item_count(),
             Buf::Bf16(b) => b.item_count(),

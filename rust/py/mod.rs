@@ -4,6 +4,7 @@
 mod codec;
 mod decode_layers;
 mod detok;
+mod elementwise;
 mod errors;
 mod kernels;
 mod linear;
@@ -35,6 +36,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codec::register(m)?;
     decode_layers::register(m)?;
     detok::register(m)?;
+    elementwise::register(m)?;
     kernels::register(m)?;
     linear::register(m)?;
     peak::register(m)?;

@@ -34,6 +34,7 @@ from asyncllm import _core
 from asyncllm.models.attention import AttentionMetadata
 from asyncllm.models.layers import EAGER_OPS, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from asyncllm.models.linear_kernels import KernelLinear, as_buffer
+from asyncllm.models.native_ops import NATIVE_OPS
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,10 @@ def _layer_unsupported(
     if attn.rotary_dim != attn.head_dim:
         return "partial rotary"
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) is not RMSNorm or n.ops is not EAGER_OPS for n in norms):
+    ops = (EAGER_OPS, NATIVE_OPS)
+    if any(type(n) is not RMSNorm or n.ops not in ops for n in norms):
         return "norms other than RMSNorm, or compiled ones"
-    if attn.ops is not EAGER_OPS or mlp.ops is not EAGER_OPS or norms[0].eps != norms[1].eps:
+    if attn.ops not in ops or mlp.ops not in ops or norms[0].eps != norms[1].eps:
         return "compiled layers"
     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         if isinstance(linear, KernelLinear):

@@ -26,6 +26,7 @@ from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.messages import Logprobs
 from asyncllm.models.fused_decode import FusedDecode, unsupported
 from asyncllm.models.loader import load_model
+from asyncllm.models.native_ops import use_native_ops
 from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
 from asyncllm.worker.in_flight import InFlightTokens
@@ -110,6 +111,8 @@ class ModelRunner:
             from asyncllm.worker.compile import compile_model
 
             compile_model(self.model, self.kv_caches, config.block_size)
+        else:
+            use_native_ops(self.model)
         if config.fused_decode and tp is None:
             self.model.fused_decode = FusedDecode.build(
                 self.model, self.kv_caches, torch.get_num_threads()
