@@ -2,7 +2,7 @@
 
     python benches/bench_roofline.py [--models micro small] [--dtypes float32 bfloat16]
         [--threads 2] [--batch 256] [--context 100] [--prefill 8x128] [--runs 3]
-        [--compile] [--no-fused] [--quick]
+        [--compile] [--no-fused] [--eager-ops] [--quick]
 
 The machine, never one library call: at each of the model's matmul shapes the best
 of every kernel this install has (torch's F.linear, torch's prepacked oneDNN linear,
@@ -315,6 +315,7 @@ class _TimedPlan:
 
 QUICK = False  # --quick: a small bandwidth buffer
 FUSED = True  # --no-fused: small decode steps on the torch path (EngineArgs.fused_decode)
+EAGER_OPS_ONLY = False  # --eager-ops: torch's elementwise ops, not the extension's
 COMPILE = False  # --compile: the runner's fused layers (EngineArgs.compile)
 
 
@@ -335,7 +336,12 @@ def make_runner(model_dir: Path, dtype: str, seqs: int, max_len: int, blocks: in
         compile=COMPILE,
         fused_decode=FUSED,
     )
-    return ModelRunner(args.resolve(hf), hf)
+    runner = ModelRunner(args.resolve(hf), hf)
+    if EAGER_OPS_ONLY:
+        from asyncllm.models.layers import EAGER_OPS, set_ops
+
+        set_ops(runner.model, EAGER_OPS)
+    return runner
 
 
 def _requests(ids: range, lens: list[int], computed: list[int], block: int, bs: int) -> list:
@@ -536,10 +542,16 @@ def main() -> None:
         action="store_true",
         help="small decode steps on the torch path, not fused (EngineArgs.fused_decode)",
     )
+    p.add_argument(
+        "--eager-ops",
+        action="store_true",
+        help="torch's elementwise ops between the matmuls, not the extension's (native_ops)",
+    )
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = p.parse_args()
-    global COMPILE, QUICK, FUSED
+    global COMPILE, QUICK, FUSED, EAGER_OPS_ONLY
     COMPILE, QUICK, FUSED = args.compile, args.quick, not args.no_fused
+    EAGER_OPS_ONLY = args.eager_ops
     if args.quick:
         args.models, args.batch, args.context, args.prefill = ["micro"], 8, 20, "2x16"
         args.runs, args.reps = 1, 1
@@ -548,6 +560,7 @@ def main() -> None:
     print(
         machine_header()
         + f"; compile {'on' if args.compile else 'off'}; fused decode {'on' if FUSED else 'off'}"
+        + f"; elementwise ops {'torch' if EAGER_OPS_ONLY else 'extension'}"
     )
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="roofline-"))
     for name in args.models:

@@ -555,10 +555,6 @@ def _add_rms_norm(
     """residual += x (rounded to the dtype, in place), then out = rms_norm(residual) *
     weight, row by row; as `_rms_norm` otherwise (residual also writable and apart)."""
 
-def _silu_mul(out: _Buffer, gate_up: _Buffer, num_threads: int) -> None:
-    """out[r] = silu(gate[r]) * up[r] from the fused gate/up rows [rows, 2 * inter]
-    (gate first) into out [rows, inter]; as `_rms_norm` otherwise."""
-
 def _fma_peak(num_threads: int, iters: int) -> tuple[float, str]:
     """(float operations per second, ISA variant) of `num_threads` threads each
     running `iters` rounds of 12 independent vector fused multiply-adds: the CPU's

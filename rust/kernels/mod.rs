@@ -24,7 +24,7 @@ mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
 pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
-pub use elementwise::{add_rms_norm, rms_norm, silu_mul};
+pub use elementwise::{add_rms_norm, rms_norm};
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,

@@ -1,4 +1,4 @@
-//! Python binding of the row-wise elementwise kernels (`crate::kernels::elementwise`):
+//! Python binding of the row-wise RMSNorm kernels (`crate::kernels::elementwise`):
 //! float32, or bfloat16 passed as int16 bits; inputs read in place, the output
 //! (and the residual, updated in place) written with the GIL released.
 
@@ -47,39 +47,8 @@ fn buffers<const N: usize>(
         .unwrap_or_else(|_| unreachable!("N buffers from N objects")))
 }
 
-/// Runs `f` on the buffers as f32 or bf16 slices (inputs) and mutable slices
-/// (the `written` ones), with the GIL released.
-///
-/// SAFETY of the slices (for every caller): each buffer is C-contiguous, aligned,
-/// non-null and valid while its export is held (this call); the written ones are
-/// writable and overlap no other (checked by `buffers`); the sole caller
-/// (`asyncllm.models.native_ops`) passes tensors no other thread touches during
-/// the step, the outputs fresh ones.
-fn run2<F32, B16>(
-    py: Python<'_>,
-    input: &Buf,
-    output: &Buf,
-    f32_fn: F32,
-    bf16_fn: B16,
-) -> PyResult<()>
-where
-    F32: FnOnce(&[f32], &mut [f32]) -> Result<(), KernelError> + Send,
-    B16: FnOnce(&[u16], &mut [u16]) -> Result<(), KernelError> + Send,
-{
-    let result = if input.is_bf16() {
-        // SAFETY: see above; bf16 buffers are int16, read as u16 (same size and bits).
-        let (i, o) = unsafe { (input.slice::<u16>(), slice_mut::<u16>(output)) };
-        py.detach(|| bf16_fn(i, o))
-    } else {
-        // SAFETY: see above.
-        let (i, o) = unsafe { (input.slice::<f32>(), slice_mut::<f32>(output)) };
-        py.detach(|| f32_fn(i, o))
-    };
-    result.map_err(|e| Error::from(e).into())
-}
-
 /// # Safety
-/// As `run2`'s: `E` matches the buffer's dtype, and nothing else reads or writes
+/// The promise of `run_with_weight`'s callers: `E` matches the buffer's dtype, and nothing else reads or writes
 /// it while the slice lives.
 // The memory is the exporter's, not the `Buf`'s: the handle is only borrowed to
 // reach it; exclusivity is the caller's promise above.
@@ -131,7 +100,10 @@ fn add_rms_norm(
         &[0, 1],
     )?;
     let result = if x.is_bf16() {
-        // SAFETY: as `run2`'s.
+        // SAFETY: the buffers are C-contiguous, aligned, non-null and valid while
+        // their exports are held (this call); the written ones are writable and
+        // overlap no other (`buffers`); the sole caller (asyncllm.models.native_ops)
+        // passes tensors no other thread touches during the step, the outputs fresh.
         let (o, r, x, w) = unsafe {
             (
                 slice_mut::<u16>(&out),
@@ -142,7 +114,10 @@ fn add_rms_norm(
         };
         py.detach(|| kernels::add_rms_norm(x, r, w, eps, o, num_threads))
     } else {
-        // SAFETY: as `run2`'s.
+        // SAFETY: the buffers are C-contiguous, aligned, non-null and valid while
+        // their exports are held (this call); the written ones are writable and
+        // overlap no other (`buffers`); the sole caller (asyncllm.models.native_ops)
+        // passes tensors no other thread touches during the step, the outputs fresh.
         let (o, r, x, w) = unsafe {
             (
                 slice_mut::<f32>(&out),
@@ -154,28 +129,6 @@ fn add_rms_norm(
         py.detach(|| kernels::add_rms_norm(x, r, w, eps, o, num_threads))
     };
     result.map_err(|e| Error::from(e).into())
-}
-
-/// `out = silu(gate) * up` from the fused gate/up rows `[rows, 2 * inter]`.
-#[pyfunction(name = "_silu_mul")]
-fn silu_mul(
-    py: Python<'_>,
-    out: &Bound<'_, PyAny>,
-    gate_up: &Bound<'_, PyAny>,
-    num_threads: usize,
-) -> PyResult<()> {
-    let [out, gu] = buffers([(out, "out"), (gate_up, "gate_up")], &[0])?;
-    let inter = match out.shape().last() {
-        Some(&n) if n > 0 => n,
-        _ => return Err(PyValueError::new_err("out must have a last dimension")),
-    };
-    run2(
-        py,
-        &gu,
-        &out,
-        |g, o| kernels::silu_mul(g, o, inter, num_threads),
-        |g, o| kernels::silu_mul(g, o, inter, num_threads),
-    )
 }
 
 fn run_with_weight<F32, B16>(
@@ -191,7 +144,10 @@ where
     B16: FnOnce(&[u16], &[u16], &mut [u16]) -> Result<(), KernelError> + Send,
 {
     let result = if x.is_bf16() {
-        // SAFETY: as `run2`'s.
+        // SAFETY: the buffers are C-contiguous, aligned, non-null and valid while
+        // their exports are held (this call); the written ones are writable and
+        // overlap no other (`buffers`); the sole caller (asyncllm.models.native_ops)
+        // passes tensors no other thread touches during the step, the outputs fresh.
         let (x, w, o) = unsafe {
             (
                 x.slice::<u16>(),
@@ -201,7 +157,10 @@ where
         };
         py.detach(|| bf16_fn(x, w, o))
     } else {
-        // SAFETY: as `run2`'s.
+        // SAFETY: the buffers are C-contiguous, aligned, non-null and valid while
+        // their exports are held (this call); the written ones are writable and
+        // overlap no other (`buffers`); the sole caller (asyncllm.models.native_ops)
+        // passes tensors no other thread touches during the step, the outputs fresh.
         let (x, w, o) = unsafe {
             (
                 x.slice::<f32>(),
@@ -216,6 +175,5 @@ where
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(add_rms_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(silu_mul, m)?)
+    m.add_function(wrap_pyfunction!(add_rms_norm, m)?)
 }
