@@ -3,9 +3,9 @@
 //! `asyncllm.worker.sampler_torch` the torch code whose semantics it keeps.
 //!
 //! Per row, reading the logits in place (never copying the row):
-//! - `min_tokens` bans (-inf) and repetition/frequency/presence penalties are a
-//!   short sorted list of changed entries (`penalties`), only over the tokens
-//!   the request has seen;
+//! - logit bias (added first), `min_tokens` and bad-word bans (-inf) and
+//!   repetition/frequency/presence penalties are a short sorted list of changed
+//!   entries (`penalties`), only over the tokens the request biases or has seen;
 //! - greedy rows: the argmax (first index of the maximum), one vector pass;
 //! - `top_k` set: one pass keeps the candidates >= the k-th largest (ties at the
 //!   boundary kept, as in the reference), then temperature, top-p and min-p work
@@ -97,10 +97,40 @@ pub struct Batch<'a> {
     /// `seen_counts` (parallel to `seen.tokens`): occurrences among the outputs.
     pub seen: TokenLists<'a>,
     pub seen_counts: &'a [u32],
-    /// The tokens each row may not sample yet (`min_tokens`).
+    /// The tokens each row may not sample now (`min_tokens`, bad words).
     pub banned: TokenLists<'a>,
+    /// Additive logit biases (`logit_bias`), applied before the penalties.
+    pub bias: Bias<'a>,
     /// The allowed-token bitmasks of the constrained rows (structured output).
     pub masks: Masks<'a>,
+}
+
+/// Per-row logit biases in CSR form: row r's tokens are
+/// `tokens[offsets[r]..offsets[r+1]]`, sorted and distinct, with `values` parallel
+/// to `tokens`. Empty `offsets`: no row has any.
+#[derive(Clone, Copy)]
+pub struct Bias<'a> {
+    pub offsets: &'a [usize],
+    pub tokens: &'a [u32],
+    pub values: &'a [f32],
+}
+
+impl Bias<'_> {
+    /// No row has a bias.
+    pub const NONE: Bias<'static> = Bias {
+        offsets: &[],
+        tokens: &[],
+        values: &[],
+    };
+
+    /// Row `r`'s (tokens, values).
+    #[inline(always)]
+    fn of(&self, r: usize) -> (&[u32], &[f32]) {
+        match (self.offsets.get(r), self.offsets.get(r + 1)) {
+            (Some(&a), Some(&b)) => (&self.tokens[a..b], &self.values[a..b]),
+            _ => (&[], &[]),
+        }
+    }
 }
 
 /// Allowed-token bitmasks: a constrained row samples as if every token its
@@ -313,6 +343,7 @@ fn row<A: Arith>(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
         &b.seen.tokens[s0..s1],
         &b.seen_counts[s0..s1],
         &b.banned.tokens[b0..b1],
+        b.bias.of(r),
         &mut s.ov,
     );
     let (token, nonfinite) = if p.greedy {
