@@ -569,6 +569,9 @@ def _sample(
     num_threads: int,
     bitmask: _Buffer | None = None,
     bitmask_rows: _Buffer | None = None,
+    bias_offsets: _Buffer | None = None,
+    bias_tokens: _Buffer | None = None,
+    bias_values: _Buffer | None = None,
 ) -> list[int]:
     """Samples every row of `logits` [n, vocab] float32 in one call (rust/sampler),
     reading it in place with the GIL released. Private: its one caller,
@@ -580,7 +583,9 @@ def _sample(
     stream as uint64 bits, output position): the columns F_*/I_* of
     asyncllm.worker.input_batch. Token lists in CSR form (int64): row r's seen
     tokens are seen_tokens[seen_offsets[r]:seen_offsets[r+1]] with seen_counts their
-    occurrences among the outputs; banned_* likewise (min_tokens). Writes sampled
+    occurrences among the outputs; banned_* likewise (min_tokens, bad words);
+    bias_* likewise (logit_bias: each row's tokens sorted and distinct, bias_values
+    float32 parallel to them, added before the penalties). Writes sampled
     [n] and ranks [n] int64, logprob_ids [n, w] int64 and logprob_values [n, w]
     float32 (w = 0, or >= 1 + every row's num_logprobs; padded with -1 / NaN).
     Constrained rows: bitmask [m, words] int32 and bitmask_rows [m] int64 (distinct
