@@ -10,7 +10,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output.grammar_cache import GrammarCache
-from asyncllm.token_checks import check_token_ids
+from asyncllm.token_checks import check_params_token_ids, check_token_ids
 
 _UINT64_MAX = 2**64 - 1  # the largest seed SamplingParams accepts
 
@@ -59,11 +59,9 @@ class InputProcessor:
         and the seeds of the `n` children `fan_out` derives (seed .. seed + n - 1),
         so that a request fails here, before any child reaches the core. Also
         tokenizes `bad_words` into `bad_words_token_ids` (the core has no tokenizer)."""
-        check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
-        check_token_ids(params.logit_bias or (), self.vocab_size, "logit_bias")
-        check_token_ids(params.allowed_token_ids or (), self.vocab_size, "allowed_token_ids")
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        check_params_token_ids(params, self.vocab_size)
         if params.seed is not None and params.seed + params.n - 1 > _UINT64_MAX:
             raise InvalidRequestError(
                 f"seed={params.seed} with n={params.n} is invalid: the n choices use seeds "
