@@ -75,7 +75,9 @@ def offline(python: Path, tree: Path) -> Figures:
         path = Path(tmp) / "offline.json"
         _run(python, tree, [*args, "--json", str(path)])
         rows = json.loads(path.read_text())
-    return {f"micro 256 {r['sampling']} tok/s": r["engine_tok_s"] for r in rows}
+    figures = {f"micro 256 {r['sampling']} tok/s": r["engine_tok_s"] for r in rows}
+    figures |= {f"micro 256 {r['sampling']} step ms": r["decode_step_ms"] for r in rows}
+    return figures
 
 
 BENCHES: dict[str, Callable[[Path, Path], Figures]] = {
@@ -115,6 +117,12 @@ def main() -> int:
             f"| {key} | {statistics.median(old):.1f} | {statistics.median(new):.1f} | "
             f"{statistics.median(ratios):.3f} |"
         )
+    print("\nEach round, old / new:\n")
+    for key in runs["old"][0]:
+        pairs = ", ".join(
+            f"{o[key]:.1f} / {n[key]:.1f}" for o, n in zip(runs["old"], runs["new"], strict=True)
+        )
+        print(f"- {key}: {pairs}")
     return 0
 
 
