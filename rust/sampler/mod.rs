@@ -37,6 +37,7 @@
 //! log_softmax gives), its ranks still count larger logits.
 
 mod check;
+mod inputs;
 mod penalties;
 mod philox;
 mod select;
@@ -53,6 +54,7 @@ use crate::kernels::KernelError;
 use select::Arith;
 use top_k::TopK;
 
+pub use inputs::{Bias, Masks};
 pub use philox::{philox4x32_10, uniform, uniform_round};
 
 /// One row's sampling parameters.
@@ -103,66 +105,6 @@ pub struct Batch<'a> {
     pub bias: Bias<'a>,
     /// The allowed-token bitmasks of the constrained rows (structured output).
     pub masks: Masks<'a>,
-}
-
-/// Per-row logit biases in CSR form: row r's tokens are
-/// `tokens[offsets[r]..offsets[r+1]]`, sorted and distinct, with `values` parallel
-/// to `tokens`. Empty `offsets`: no row has any.
-#[derive(Clone, Copy)]
-pub struct Bias<'a> {
-    pub offsets: &'a [usize],
-    pub tokens: &'a [u32],
-    pub values: &'a [f32],
-}
-
-impl Bias<'_> {
-    /// No row has a bias.
-    pub const NONE: Bias<'static> = Bias {
-        offsets: &[],
-        tokens: &[],
-        values: &[],
-    };
-
-    /// Row `r`'s (tokens, values).
-    #[inline(always)]
-    fn of(&self, r: usize) -> (&[u32], &[f32]) {
-        match (self.offsets.get(r), self.offsets.get(r + 1)) {
-            (Some(&a), Some(&b)) => (&self.tokens[a..b], &self.values[a..b]),
-            _ => (&[], &[]),
-        }
-    }
-}
-
-/// Allowed-token bitmasks: a constrained row samples as if every token its
-/// mask does not allow had logit -inf (penalties, logprobs and ranks included).
-/// The row is masked into scratch as the first pass over it, so the passes that
-/// follow read it from cache: no separate pass over the whole batch.
-#[derive(Clone, Copy)]
-pub struct Masks<'a> {
-    /// `[m, words]`: bit `t % 32` of word `t / 32` of a mask allows token `t`.
-    pub bits: &'a [u32],
-    /// At least `vocab.div_ceil(32)`.
-    pub words: usize,
-    /// `[rows]` (or empty: no row is constrained): the mask of each logits row,
-    /// or `Masks::UNCONSTRAINED`.
-    pub of_row: &'a [usize],
-}
-
-impl Masks<'_> {
-    /// `of_row` entry of a row without a mask.
-    pub const UNCONSTRAINED: usize = usize::MAX;
-    /// No row is constrained.
-    pub const NONE: Masks<'static> = Masks {
-        bits: &[],
-        words: 0,
-        of_row: &[],
-    };
-
-    #[inline(always)]
-    fn of(&self, r: usize) -> Option<&[u32]> {
-        let m = *self.of_row.get(r)?;
-        (m != Self::UNCONSTRAINED).then(|| &self.bits[m * self.words..(m + 1) * self.words])
-    }
 }
 
 /// Where one call writes.
