@@ -52,28 +52,7 @@ wire = _load_fixture_script()
 
 U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
-REQUEST_FIELDS = [
-    "wire_id",
-    "prompt_token_ids",
-    "arrival_time",
-    "priority",
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
-    "prompt_logprobs",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "cache_salt",
-    "structured_outputs",
-]
+REQUEST_FIELDS = wire.ADD_REQUEST_FIELDS  # the table's order (engine/wire_schema.py)
 
 
 def f32(x: float) -> float:
@@ -147,6 +126,12 @@ def random_request(rng: random.Random) -> AddRequest:
         structured_outputs=maybe(
             lambda: (rng.choice(["json", "regex", "choice", "grammar"]), "ß" * rng.randint(0, 50))
         ),
+        logit_bias={rng.randint(0, U32_MAX): any_float(rng) for _ in range(rng.randint(0, 3))},
+        allowed_token_ids=[rng.randint(0, U32_MAX) for _ in range(rng.randint(0, 3))],
+        bad_words_token_ids=[
+            [rng.randint(0, U32_MAX) for _ in range(rng.randint(0, 3))]
+            for _ in range(rng.randint(0, 2))
+        ],
     )
 
 
@@ -174,28 +159,11 @@ def test_single_add_request_is_a_burst_of_one() -> None:
 
 def test_add_request_defaults_and_f32_rounding() -> None:
     r = AddRequest(1, [])
-    assert request_dict(r) == {
-        "wire_id": 1,
-        "prompt_token_ids": [],
-        "arrival_time": 0.0,
-        "priority": 0,
-        "max_tokens": 16,
-        "min_tokens": 0,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "seed": None,
-        "stop_token_ids": [],
-        "ignore_eos": False,
-        "logprobs": None,
-        "prompt_logprobs": None,
-        "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "cache_salt": None,
-        "structured_outputs": None,
-    }
+    # the generated class's defaults are the table's
+    expected = {f.name: wire.default_value(f) for f in wire.ADD_REQUEST}
+    assert request_dict(r) == expected | {"wire_id": 1, "prompt_token_ids": []}
+    assert expected["max_tokens"] == 16 and expected["temperature"] == 1.0
+    assert expected["stop_token_ids"] == [] and expected["logit_bias"] == {}
     assert AddRequest(1, [], top_p=0.1).top_p == f32(0.1)
 
 
@@ -545,7 +513,8 @@ def add_request_frame(**overrides: Any) -> bytes:
         ),
         (
             wire.frame(wire.MSG_ADD_REQUESTS, [wire.add_request_body(wire.REQUEST_A)[:-1]]),
-            "malformed frame: AddRequests[0]: expected an array of 20 fields, found 19",
+            f"malformed frame: AddRequests[0]: expected an array of {len(wire.ADD_REQUEST)} "
+            f"fields, found {len(wire.ADD_REQUEST) - 1}",
         ),
         (
             add_request_frame(prompt_token_ids=b"\x01\x00\x00\x00\x02"),
@@ -622,26 +591,26 @@ def add_request_frame(**overrides: Any) -> bytes:
             "malformed frame: OutputBatch.outputs[0].num_cached_tokens: int -1 out of range",
         ),
         (
-            wire.frame(
-                wire.MSG_ADD_REQUESTS, [[*wire.add_request_body(wire.REQUEST_A)[:-2], 7, None]]
-            ),
+            add_request_frame(cache_salt=7),
             "malformed frame: AddRequests[0].cache_salt: expected str, found int",
         ),
         (
-            wire.frame(
-                wire.MSG_ADD_REQUESTS,
-                [[*wire.add_request_body(wire.REQUEST_A)[:-1], ["xml", "<a/>"]]],
-            ),
-            'malformed frame: AddRequests[0].structured: kind "xml" is not one of json, regex, '
-            "choice, grammar, json_object",
+            add_request_frame(structured_outputs=["xml", "<a/>"]),
+            'malformed frame: AddRequests[0].structured_outputs: kind "xml" is not one of json, '
+            "regex, choice, grammar, json_object",
         ),
         (
-            wire.frame(
-                wire.MSG_ADD_REQUESTS,
-                [[*wire.add_request_body(wire.REQUEST_A)[:-1], ["regex", "a" * (1 << 20 | 1)]]],
-            ),
-            "malformed frame: AddRequests[0].structured: spec of 1048577 bytes is over the limit "
-            "of 1048576",
+            add_request_frame(structured_outputs=["regex", "a" * (1 << 20 | 1)]),
+            "malformed frame: AddRequests[0].structured_outputs: spec of 1048577 bytes is over the "
+            "limit of 1048576",
+        ),
+        (
+            add_request_frame(logit_bias=[wire.Words([1, 2]), wire.F32Words([0.5])]),
+            "malformed frame: AddRequests[0].logit_bias: 2 token ids but 1 biases",
+        ),
+        (
+            add_request_frame(bad_words_token_ids=[wire.Words([1]), b"\x01\x02\x03"]),
+            "malformed frame: AddRequests[0].bad_words_token_ids[1]: array of 4-byte items",
         ),
         (
             wire.frame(wire.MSG_OUTPUT_BATCH, [[], [1, 0, 0.5, 0, 0, 0], 0.0]),

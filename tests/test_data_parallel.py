@@ -72,7 +72,7 @@ def test_requests_spread_and_abort_reaches_the_owner(model_dir):
             assert per_core[owner]["num_running"] == 1
             assert per_core[1 - owner]["num_running"] == 0
             await gen.aclose()
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60  # a hang guard, not a speed bound
             while (await engine.get_stats())["engines"][owner]["num_running"]:
                 assert time.monotonic() < deadline, "the abort did not reach the owning core"
                 await asyncio.sleep(0.05)

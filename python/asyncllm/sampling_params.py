@@ -19,6 +19,17 @@ _UINT64_MAX = 2**64 - 1
 # overflow float32 on the way to the distribution.
 _SAMPLING_EPS = 1e-5
 MAX_CACHE_SALT_CHARS = 256
+# Bounds on the client-controlled token lists (OpenAI's logit_bias, vLLM's
+# allowed_token_ids and bad_words), so no request makes the sampler's per-step
+# work or the wire frame unbounded.
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+# per tokenized bad word (each word has up to two forms): byte-level BPE may take
+# a token per UTF-8 byte, plus one for a leading space
+MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -62,6 +73,16 @@ class SamplingParams:
     # cached KV blocks only when their salts are equal (None is a salt of its own).
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the token's logit before penalties and sampling (OpenAI's).
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's); None: all.
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate (vLLM's): a word's last token is banned whenever
+    # the output ends with the tokens before it.
+    bad_words: list[str] | None = None
+    # `bad_words` tokenized (with and without a leading space, as vLLM does) by
+    # the front end, which has the tokenizer; what the engine core reads.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Normalised forms, derived in __post_init__.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -80,6 +101,8 @@ class SamplingParams:
             )
         self.stop_strings = _normalise_stop(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
@@ -93,6 +116,11 @@ class SamplingParams:
         """Greedy requests skip the random part of sampling entirely: temperature 0
         (or below 1e-5, as in vLLM) or top_k 1."""
         return self.temperature < _SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler must apply logit bias, allowed tokens or bad words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -174,6 +202,46 @@ def _salt(value: object) -> bool:
     )
 
 
+def _logit_bias(value: object) -> bool:
+    return value is None or (
+        isinstance(value, dict)
+        and len(value) <= MAX_LOGIT_BIAS
+        and all(
+            _is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_LOGIT_BIAS_VALUE
+            for t, b in value.items()
+        )
+    )
+
+
+def _allowed_token_ids(value: object) -> bool:
+    return value is None or (
+        isinstance(value, list | tuple)
+        and 0 < len(value) <= MAX_ALLOWED_TOKEN_IDS
+        and _token_ids(value)
+    )
+
+
+def _bad_words(value: object) -> bool:
+    return value is None or (
+        isinstance(value, list | tuple)
+        and len(value) <= MAX_BAD_WORDS
+        and all(
+            isinstance(w, str) and 0 < len(w) <= MAX_BAD_WORD_CHARS and _encodable(w) for w in value
+        )
+    )
+
+
+def _bad_words_token_ids(value: object) -> bool:
+    return value is None or (
+        isinstance(value, list | tuple)
+        and len(value) <= 2 * MAX_BAD_WORDS
+        and all(
+            isinstance(w, list | tuple) and 0 < len(w) <= MAX_BAD_WORD_TOKENS and _token_ids(w)
+            for w in value
+        )
+    )
+
+
 def _logprobs_rule(name: str) -> _Rule:
     return _Rule(
         name,
@@ -237,6 +305,33 @@ _RULES: tuple[_Rule, ...] = (
         "structured_outputs",
         lambda v: v is None or isinstance(v, StructuredOutputsParams),
         "None or a StructuredOutputsParams",
+        shown=lambda v: _clip(repr(v)),
+    ),
+    _Rule(
+        "logit_bias",
+        _logit_bias,
+        f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (integers >= 0) to biases "
+        f"in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]",
+        shown=lambda v: _clip(repr(v)),
+    ),
+    _Rule(
+        "allowed_token_ids",
+        _allowed_token_ids,
+        f"None or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0)",
+        shown=lambda v: _clip(repr(v)),
+    ),
+    _Rule(
+        "bad_words",
+        _bad_words,
+        f"None or a list of at most {MAX_BAD_WORDS} non-empty strings of at most "
+        f"{MAX_BAD_WORD_CHARS} characters",
+        shown=lambda v: _clip(repr(v)),
+    ),
+    _Rule(
+        "bad_words_token_ids",
+        _bad_words_token_ids,
+        f"None or a list of at most {2 * MAX_BAD_WORDS} lists of 1 to {MAX_BAD_WORD_TOKENS} "
+        "token ids",
         shown=lambda v: _clip(repr(v)),
     ),
 )

@@ -5,8 +5,12 @@ engine core re-checks with the same functions (it may be driven directly)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from asyncllm.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from asyncllm.sampling_params import SamplingParams
 
 
 def first_bad_token_id(ids: Iterable[object], vocab_size: int) -> object | None:
@@ -26,6 +30,17 @@ def check_token_ids(ids: Iterable[object], vocab_size: int, param: str) -> None:
         raise InvalidRequestError(
             f"{param} contains {shown}, which is not a token id in [0, {vocab_size})"
         )
+
+
+def check_params_token_ids(p: SamplingParams, vocab_size: int) -> None:
+    """Every token id a request's parameters carry — stop tokens, logit_bias's
+    keys, allowed_token_ids, the tokenized bad words — against the vocabulary:
+    the sampler indexes the logits with them."""
+    check_token_ids(p.stop_token_ids or (), vocab_size, "stop_token_ids")
+    check_token_ids(p.logit_bias or (), vocab_size, "logit_bias")
+    check_token_ids(p.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+    for word in p.bad_words_token_ids or ():
+        check_token_ids(word, vocab_size, "bad_words")
 
 
 def max_tokens_room(prompt_len: int, max_model_len: int) -> int:

@@ -1,11 +1,12 @@
 //! Decoders: the inverse of `encode.rs`. Strict about every field's type and
 //! every array's length; a frame with bytes after its body is rejected too.
 
+use super::add_request::{read_add_request, AddRequest};
 use super::columns::read_output_batch_columns;
-use super::encode::{ADD_REQUEST_FIELDS, READY_FIELDS};
+use super::encode::READY_FIELDS;
 use super::error::{WireError, WireResult};
 use super::frame::{split_frame, DEFAULT_MAX_FRAME_SIZE};
-use super::messages::{AddRequest, Message, MessageType, Ready, StructuredSpec};
+use super::messages::{Message, MessageType, Ready};
 use super::reader::Reader;
 use super::value::read_value;
 
@@ -54,43 +55,6 @@ fn read_add_requests(r: &mut Reader<'_>) -> WireResult<Vec<AddRequest>> {
         requests.push(read_add_request(r).map_err(|e| e.within(&format!("AddRequests[{i}]")))?);
     }
     Ok(requests)
-}
-
-fn read_add_request(r: &mut Reader<'_>) -> WireResult<AddRequest> {
-    r.expect_array(ADD_REQUEST_FIELDS, "")?;
-    Ok(AddRequest {
-        wire_id: r.u64("wire_id")?,
-        prompt_token_ids: r.u32s("prompt_token_ids")?,
-        arrival_time: r.f64("arrival_time")?,
-        priority: r.i32("priority")?,
-        max_tokens: r.u32("max_tokens")?,
-        min_tokens: r.u32("min_tokens")?,
-        temperature: r.f32("temperature")?,
-        top_p: r.f32("top_p")?,
-        top_k: r.i32("top_k")?,
-        min_p: r.f32("min_p")?,
-        seed: r.opt(|r| r.u64("seed"))?,
-        stop_token_ids: r.u32s("stop_token_ids")?,
-        ignore_eos: r.bool("ignore_eos")?,
-        logprobs: r.opt(|r| r.u32("logprobs"))?,
-        prompt_logprobs: r.opt(|r| r.u32("prompt_logprobs"))?,
-        repetition_penalty: r.f32("repetition_penalty")?,
-        frequency_penalty: r.f32("frequency_penalty")?,
-        presence_penalty: r.f32("presence_penalty")?,
-        cache_salt: r.opt(|r| r.str("cache_salt").map(str::to_string))?,
-        structured: r.opt(read_structured)?,
-    })
-}
-
-fn read_structured(r: &mut Reader<'_>) -> WireResult<StructuredSpec> {
-    r.expect_array(2, "structured")?;
-    let spec = StructuredSpec {
-        kind: r.str("structured.kind")?.to_string(),
-        spec: r.str("structured.spec")?.to_string(),
-    };
-    spec.check()
-        .map_err(|e| WireError::malformed("structured", e))?;
-    Ok(spec)
 }
 
 fn read_abort(r: &mut Reader<'_>) -> WireResult<Message> {

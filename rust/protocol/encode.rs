@@ -3,16 +3,16 @@
 //! request from borrowed slices, so a caller holding columns (the Python glue)
 //! needs no per-request allocation.
 
+use super::add_request::{write_add_request, AddRequest};
 use super::error::{WireError, WireResult};
 use super::frame::header;
 use super::messages::{
-    AddRequest, FinishReason, LogprobsRef, Message, MessageType, OutputBatch, Ready, SchedulerStats,
+    FinishReason, LogprobsRef, Message, MessageType, OutputBatch, Ready, SchedulerStats,
 };
 use super::value::{write_value, Value};
 use super::writer::Writer;
 
 // Field counts of the positional arrays; `decode.rs` checks the same numbers.
-pub(super) const ADD_REQUEST_FIELDS: usize = 20;
 pub(super) const REQUEST_OUTPUT_FIELDS: usize = 8;
 pub(super) const LOGPROBS_FIELDS: usize = 5;
 pub(super) const STATS_FIELDS: usize = 6;
@@ -69,56 +69,13 @@ where
     I::IntoIter: ExactSizeIterator + Clone,
 {
     let requests = requests.into_iter();
-    let capacity: usize = requests
-        .clone()
-        .map(|r| {
-            let salt = r.cache_salt.as_ref().map_or(0, String::len);
-            let spec = r.structured.as_ref().map_or(0, |s| 16 + s.spec.len());
-            96 + salt + spec + 4 * (r.prompt_token_ids.len() + r.stop_token_ids.len())
-        })
-        .sum();
+    let capacity: usize = requests.clone().map(AddRequest::wire_capacity).sum();
     let mut w = frame_writer_in(buf, MessageType::AddRequests, 8 + capacity);
     w.array_len(requests.len(), "AddRequests")?;
     for (i, r) in requests.enumerate() {
         write_add_request(&mut w, r).map_err(|e| e.within(&format!("AddRequests[{i}]")))?;
     }
     Ok(w.into_bytes())
-}
-
-fn write_add_request(w: &mut Writer, r: &AddRequest) -> WireResult<()> {
-    w.array_len(ADD_REQUEST_FIELDS, "")?;
-    w.uint(r.wire_id);
-    w.u32s(&r.prompt_token_ids, "prompt_token_ids")?;
-    w.f64(r.arrival_time);
-    w.int(r.priority as i64);
-    w.uint(r.max_tokens as u64);
-    w.uint(r.min_tokens as u64);
-    w.f32(r.temperature);
-    w.f32(r.top_p);
-    w.int(r.top_k as i64);
-    w.f32(r.min_p);
-    w.opt_uint(r.seed);
-    w.u32s(&r.stop_token_ids, "stop_token_ids")?;
-    w.bool(r.ignore_eos);
-    w.opt_uint(r.logprobs.map(u64::from));
-    w.opt_uint(r.prompt_logprobs.map(u64::from));
-    w.f32(r.repetition_penalty);
-    w.f32(r.frequency_penalty);
-    w.f32(r.presence_penalty);
-    match &r.cache_salt {
-        Some(salt) => w.str(salt, "cache_salt")?,
-        None => w.nil(),
-    }
-    match &r.structured {
-        Some(s) => {
-            s.check().map_err(|e| WireError::encode("structured", e))?;
-            w.array_len(2, "structured")?;
-            w.str(&s.kind, "structured.kind")?;
-            w.str(&s.spec, "structured.spec")?;
-        }
-        None => w.nil(),
-    }
-    Ok(())
 }
 
 pub fn encode_abort(wire_ids: &[u64]) -> WireResult<Vec<u8>> {

@@ -2,6 +2,7 @@
 //! values. Their wire layout (positional msgpack arrays) is in `encode.rs` and
 //! `decode.rs`; the one-byte type tags are `MessageType`.
 
+use super::add_request::AddRequest;
 use super::value::Value;
 
 /// The one-byte tag that starts every frame.
@@ -51,36 +52,6 @@ impl MessageType {
     }
 }
 
-/// A new request for EngineCore: the prompt and every sampling field the core
-/// needs. Values are carried as given (`top_k` 0 or -1 both mean "disabled";
-/// the codec does not normalise them).
-#[derive(Debug, Clone, PartialEq)]
-pub struct AddRequest {
-    pub wire_id: u64,
-    pub prompt_token_ids: Vec<u32>,
-    pub arrival_time: f64,
-    pub priority: i32,
-    pub max_tokens: u32,
-    pub min_tokens: u32,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub top_k: i32,
-    pub min_p: f32,
-    pub seed: Option<u64>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    pub logprobs: Option<u32>,
-    pub prompt_logprobs: Option<u32>,
-    pub repetition_penalty: f32,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
-    /// Enters the first prefix-cache block key, so requests with different
-    /// salts never share cached blocks (vLLM's `cache_salt`).
-    pub cache_salt: Option<String>,
-    /// The constraint the output must match (`StructuredOutputsParams`), if any.
-    pub structured: Option<StructuredSpec>,
-}
-
 /// A request's output constraint as the grammar compiler takes it: `kind` one
 /// of [`STRUCTURED_KINDS`], `spec` its text (`StructuredOutputsParams.spec()`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,35 +85,6 @@ impl StructuredSpec {
             ));
         }
         Ok(())
-    }
-}
-
-impl AddRequest {
-    /// A request with the given prompt and neutral sampling fields (the
-    /// defaults of `SamplingParams`: 16 tokens, temperature 1, no filters).
-    pub fn new(wire_id: u64, prompt_token_ids: Vec<u32>) -> AddRequest {
-        AddRequest {
-            wire_id,
-            prompt_token_ids,
-            arrival_time: 0.0,
-            priority: 0,
-            max_tokens: 16,
-            min_tokens: 0,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            seed: None,
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            prompt_logprobs: None,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            cache_salt: None,
-            structured: None,
-        }
     }
 }
 

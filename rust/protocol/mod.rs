@@ -6,12 +6,9 @@
 //! raw little-endian 4-byte items. Layouts (`?` = nil or the value):
 //!
 //! ```text
-//! AddRequests    [[wire_id, prompt_token_ids:bin, arrival_time:f64, priority:int,
-//!                  max_tokens, min_tokens, temperature:f32, top_p:f32, top_k:int,
-//!                  min_p:f32, seed?, stop_token_ids:bin, ignore_eos:bool, logprobs?,
-//!                  prompt_logprobs?, repetition_penalty:f32, frequency_penalty:f32,
-//!                  presence_penalty:f32, cache_salt?:str,
-//!                  structured?:[kind:str, spec:str]], ...]
+//! AddRequests    [AddRequest, ...]: each a positional array whose fields are
+//!                declared once in python/asyncllm/engine/wire_schema.py (the
+//!                generated add_request.rs lists them; kinds.rs says how each travels)
 //! Abort          [[wire_id, ...]]
 //! UtilityCall    [call_id, method:str, args:value]
 //! UtilityResult  [call_id, ok:bool, value (ok) | error message:str (not ok)]
@@ -29,12 +26,14 @@
 //! Golden frames of every message live in `tests/fixtures/wire/`; the Rust and
 //! the Python tests both decode them.
 
+mod add_request;
 mod columns;
 mod decode;
 mod encode;
 mod error;
 mod fields;
 mod frame;
+mod kinds;
 mod messages;
 mod reader;
 mod value;
@@ -43,6 +42,7 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
+pub use add_request::{AddRequest, WIRE_VERSION};
 pub use columns::{decode_output_batch, OutputBatchColumns};
 pub use decode::{decode, decode_with_limit};
 pub use encode::{
@@ -53,10 +53,7 @@ pub use encode::{
 pub use error::{WireError, WireResult};
 pub use frame::{split_frame, DEFAULT_MAX_FRAME_SIZE, HEADER_LEN};
 pub use messages::{
-    AddRequest, FinishReason, Logprobs, LogprobsRef, Message, MessageType, OutputBatch, Ready,
-    RequestOutput, SchedulerStats, StructuredSpec, MAX_STRUCTURED_SPEC_BYTES, STRUCTURED_KINDS,
+    FinishReason, Logprobs, LogprobsRef, Message, MessageType, OutputBatch, Ready, RequestOutput,
+    SchedulerStats, StructuredSpec, MAX_STRUCTURED_SPEC_BYTES, STRUCTURED_KINDS,
 };
 pub use value::{Value, MAX_VALUE_DEPTH};
-
-/// Version byte carried by every frame; bumped on any schema change.
-pub const WIRE_VERSION: u8 = 3;

@@ -3,9 +3,11 @@
 //! `py.detach` (the GIL released), then wraps the result. Frames are `bytes`;
 //! decoded messages are plain Python objects or the small views in `classes`.
 
+mod add_request;
 mod batch;
 mod classes;
 pub(crate) mod extract;
+mod kinds;
 mod value;
 
 use std::sync::Arc;
@@ -15,8 +17,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::protocol::{self, Message, MessageType, WireError, DEFAULT_MAX_FRAME_SIZE};
+use add_request::PyAddRequest;
 use batch::{encode_output_batch, PyOutputBatch};
-use classes::{wire_err, PyAddRequest, PyLogprobs, PyReady, PySchedulerStats};
+use classes::{wire_err, PyLogprobs, PyReady, PySchedulerStats};
 use value::{value_from_py, value_to_py};
 
 /// Scratch buffers for the frames of the two hot encoders, one per thread: large

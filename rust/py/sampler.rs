@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::kernels::{buffer, byte_range, data_ptr};
 use crate::error::Error;
-use crate::sampler::{self, Batch, Masks, Outputs, RowParams, TokenLists};
+use crate::sampler::{self, Batch, Bias, Masks, Outputs, RowParams, TokenLists};
 
 /// Columns of `params_f` and `params_i` (python/asyncllm/worker/input_batch.py).
 const NUM_F: usize = 6;
@@ -88,7 +88,10 @@ fn row_params(f: &[f32], i: &[i64]) -> PyResult<Vec<RowParams>> {
 /// `bitmask` `[m, words]` int32 and `bitmask_rows` `[m]` int64, distinct rows:
 /// row `bitmask_rows[i]` samples as if every token that row `i` of the
 /// bitmask does not allow had logit -inf, logprobs and ranks included (the
-/// mask is applied as the kernel reads the row: no separate pass). Returns the
+/// mask is applied as the kernel reads the row: no separate pass). Logit bias
+/// (`logit_bias`): `bias_offsets` `[n + 1]` and `bias_tokens` (int64, each
+/// row's sorted and distinct) with `bias_values` (float32) parallel to the
+/// tokens, added to those logits before the penalties; None: no row has any. Returns the
 /// rows whose logits had no finite maximum. Raises `ValueError`, writing
 /// nothing, on a bad argument.
 ///
@@ -101,7 +104,8 @@ fn row_params(f: &[f32], i: &[i64]) -> PyResult<Vec<RowParams>> {
 #[pyo3(signature = (
     logits, params_f, params_i, seen_offsets, seen_tokens, seen_counts, banned_offsets,
     banned_tokens, sampled, ranks, logprob_ids, logprob_values, num_threads,
-    bitmask = None, bitmask_rows = None,
+    bitmask = None, bitmask_rows = None, bias_offsets = None, bias_tokens = None,
+    bias_values = None,
 ))]
 #[allow(clippy::too_many_arguments)] // the kernel's operands, all distinct
 fn sample(
@@ -121,6 +125,9 @@ fn sample(
     num_threads: usize,
     bitmask: Option<&Bound<'_, PyAny>>,
     bitmask_rows: Option<&Bound<'_, PyAny>>,
+    bias_offsets: Option<&Bound<'_, PyAny>>,
+    bias_tokens: Option<&Bound<'_, PyAny>>,
+    bias_values: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<usize>> {
     let logits = buffer::<f32>(logits, "logits", "float32", 2)?;
     let (n, vocab) = (logits.shape()[0], logits.shape()[1]);
@@ -140,6 +147,20 @@ fn sample(
     let seen_counts: Vec<u32> = ints(py, seen_counts, "seen_counts")?;
     let banned_offsets: Vec<usize> = ints(py, banned_offsets, "banned_offsets")?;
     let banned_tokens: Vec<u32> = ints(py, banned_tokens, "banned_tokens")?;
+    let (bias_offsets, bias_tokens, bias_values): (Vec<usize>, Vec<u32>, Vec<f32>) =
+        match (bias_offsets, bias_tokens, bias_values) {
+            (None, None, None) => (Vec::new(), Vec::new(), Vec::new()),
+            (Some(o), Some(t), Some(v)) => (
+                ints(py, o, "bias_offsets")?,
+                ints(py, t, "bias_tokens")?,
+                buffer::<f32>(v, "bias_values", "float32", 1)?.to_vec(py)?,
+            ),
+            _ => {
+                return Err(err(
+                    "bias_offsets, bias_tokens and bias_values must be given together".into(),
+                ))
+            }
+        };
     let sampled = writable::<i64>(sampled, "sampled", "int64", 1)?;
     let ranks = writable::<i64>(ranks, "ranks", "int64", 1)?;
     let ids = writable::<i64>(logprob_ids, "logprob_ids", "int64", 2)?;
@@ -238,6 +259,11 @@ fn sample(
             tokens: &banned_tokens,
         },
         masks,
+        bias: Bias {
+            offsets: &bias_offsets,
+            tokens: &bias_tokens,
+            values: &bias_values,
+        },
     };
     py.detach(|| sampler::sample(&batch, out, num_threads))
         .map_err(|e| Error::from(e).into())

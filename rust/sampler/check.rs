@@ -2,7 +2,7 @@
 //! before anything is written, so a bad call fails whole with a message naming
 //! the row and the field.
 
-use super::{Batch, Masks, Outputs, TokenLists};
+use super::{Batch, Bias, Masks, Outputs, TokenLists};
 use crate::kernels::KernelError;
 
 fn bad(msg: String) -> KernelError {
@@ -37,6 +37,7 @@ pub(super) fn check(
     check_masks(b, n)?;
     check_lists(&b.seen, n, b.vocab, "seen")?;
     check_lists(&b.banned, n, b.vocab, "banned")?;
+    check_bias(&b.bias, n, b.vocab)?;
     if b.seen_counts.len() != b.seen.tokens.len() {
         return Err(bad("seen_counts must be as long as seen_tokens".into()));
     }
@@ -121,6 +122,32 @@ fn check_lists(l: &TokenLists<'_>, n: usize, vocab: usize, name: &str) -> Result
     }
     if let Some(t) = l.tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(bad(format!("{name} token {t} is not in 0..{vocab}")));
+    }
+    Ok(())
+}
+
+fn check_bias(b: &Bias<'_>, n: usize, vocab: usize) -> Result<(), KernelError> {
+    if b.offsets.is_empty() {
+        return Ok(());
+    }
+    let lists = TokenLists {
+        offsets: b.offsets,
+        tokens: b.tokens,
+    };
+    check_lists(&lists, n, vocab, "bias")?;
+    if b.values.len() != b.tokens.len() {
+        return Err(bad("bias_values must be as long as bias_tokens".into()));
+    }
+    if let Some(v) = b.values.iter().find(|v| !v.is_finite()) {
+        return Err(bad(format!("bias value {v} is not finite")));
+    }
+    for r in 0..n {
+        let row = &b.tokens[b.offsets[r]..b.offsets[r + 1]];
+        if row.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad(format!(
+                "row {r}: bias tokens must be sorted and distinct"
+            )));
+        }
     }
     Ok(())
 }

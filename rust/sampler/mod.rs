@@ -3,9 +3,9 @@
 //! `asyncllm.worker.sampler_torch` the torch code whose semantics it keeps.
 //!
 //! Per row, reading the logits in place (never copying the row):
-//! - `min_tokens` bans (-inf) and repetition/frequency/presence penalties are a
-//!   short sorted list of changed entries (`penalties`), only over the tokens
-//!   the request has seen;
+//! - logit bias (added first), `min_tokens` and bad-word bans (-inf) and
+//!   repetition/frequency/presence penalties are a short sorted list of changed
+//!   entries (`penalties`), only over the tokens the request biases or has seen;
 //! - greedy rows: the argmax (first index of the maximum), one vector pass;
 //! - `top_k` set: one pass keeps the candidates >= the k-th largest (ties at the
 //!   boundary kept, as in the reference), then temperature, top-p and min-p work
@@ -37,6 +37,7 @@
 //! log_softmax gives), its ranks still count larger logits.
 
 mod check;
+mod inputs;
 mod penalties;
 mod philox;
 mod select;
@@ -53,6 +54,7 @@ use crate::kernels::KernelError;
 use select::Arith;
 use top_k::TopK;
 
+pub use inputs::{Bias, Masks};
 pub use philox::{philox4x32_10, uniform, uniform_round};
 
 /// One row's sampling parameters.
@@ -97,42 +99,12 @@ pub struct Batch<'a> {
     /// `seen_counts` (parallel to `seen.tokens`): occurrences among the outputs.
     pub seen: TokenLists<'a>,
     pub seen_counts: &'a [u32],
-    /// The tokens each row may not sample yet (`min_tokens`).
+    /// The tokens each row may not sample now (`min_tokens`, bad words).
     pub banned: TokenLists<'a>,
+    /// Additive logit biases (`logit_bias`), applied before the penalties.
+    pub bias: Bias<'a>,
     /// The allowed-token bitmasks of the constrained rows (structured output).
     pub masks: Masks<'a>,
-}
-
-/// Allowed-token bitmasks: a constrained row samples as if every token its
-/// mask does not allow had logit -inf (penalties, logprobs and ranks included).
-/// The row is masked into scratch as the first pass over it, so the passes that
-/// follow read it from cache: no separate pass over the whole batch.
-#[derive(Clone, Copy)]
-pub struct Masks<'a> {
-    /// `[m, words]`: bit `t % 32` of word `t / 32` of a mask allows token `t`.
-    pub bits: &'a [u32],
-    /// At least `vocab.div_ceil(32)`.
-    pub words: usize,
-    /// `[rows]` (or empty: no row is constrained): the mask of each logits row,
-    /// or `Masks::UNCONSTRAINED`.
-    pub of_row: &'a [usize],
-}
-
-impl Masks<'_> {
-    /// `of_row` entry of a row without a mask.
-    pub const UNCONSTRAINED: usize = usize::MAX;
-    /// No row is constrained.
-    pub const NONE: Masks<'static> = Masks {
-        bits: &[],
-        words: 0,
-        of_row: &[],
-    };
-
-    #[inline(always)]
-    fn of(&self, r: usize) -> Option<&[u32]> {
-        let m = *self.of_row.get(r)?;
-        (m != Self::UNCONSTRAINED).then(|| &self.bits[m * self.words..(m + 1) * self.words])
-    }
 }
 
 /// Where one call writes.
@@ -313,6 +285,7 @@ fn row<A: Arith>(b: &Batch<'_>, o: &mut RowOut<'_>, s: &mut Scratch) {
         &b.seen.tokens[s0..s1],
         &b.seen_counts[s0..s1],
         &b.banned.tokens[b0..b1],
+        b.bias.of(r),
         &mut s.ov,
     );
     let (token, nonfinite) = if p.greedy {

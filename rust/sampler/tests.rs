@@ -86,6 +86,7 @@ fn run(
             tokens: &bt,
         },
         masks: Masks::NONE,
+        bias: Bias::NONE,
     };
     let mut sampled = vec![0i64; n];
     let mut ranks = vec![0i64; n];
@@ -105,7 +106,7 @@ fn run(
 fn reference(row: &[f32], p: &RowParams, e: &Extra<'_>) -> Vec<f64> {
     let mut v: Vec<f64> = row.iter().map(|&x| f64::from(x)).collect();
     let mut ov = Vec::new();
-    penalties::overrides(row, p, e.seen, e.counts, e.banned, &mut ov);
+    penalties::overrides(row, p, e.seen, e.counts, e.banned, (&[], &[]), &mut ov);
     for (t, x) in ov {
         v[t as usize] = f64::from(x);
     }

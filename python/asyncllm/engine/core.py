@@ -23,7 +23,7 @@ from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.models.hf_config import kv_window, longrope_original
 from asyncllm.structured_output.grammar_cache import GrammarCache
 from asyncllm.structured_output.rows import GrammarRows
-from asyncllm.token_checks import check_token_ids
+from asyncllm.token_checks import check_params_token_ids, check_token_ids
 from asyncllm.tokenizer_files import resolve_eos_token_ids
 from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
 from asyncllm.worker.null_runner import NullModelRunner
@@ -111,7 +111,7 @@ class EngineCore:
             )
         p = req.sampling_params
         check_token_ids(req.prompt_token_ids, self.vocab_size, "prompt")
-        check_token_ids(p.stop_token_ids or (), self.vocab_size, "stop_token_ids")
+        check_params_token_ids(p, self.vocab_size)
         grammar = None
         if p.structured_outputs is not None:
             if isinstance(self.runner, NullModelRunner):

@@ -10,7 +10,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_output.grammar_cache import GrammarCache
-from asyncllm.token_checks import check_token_ids
+from asyncllm.token_checks import check_params_token_ids, check_token_ids
 
 _UINT64_MAX = 2**64 - 1  # the largest seed SamplingParams accepts
 
@@ -57,8 +57,11 @@ class InputProcessor:
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against the vocabulary,
         and the seeds of the `n` children `fan_out` derives (seed .. seed + n - 1),
-        so that a request fails here, before any child reaches the core."""
-        check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
+        so that a request fails here, before any child reaches the core. Also
+        tokenizes `bad_words` into `bad_words_token_ids` (the core has no tokenizer)."""
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        check_params_token_ids(params, self.vocab_size)
         if params.seed is not None and params.seed + params.n - 1 > _UINT64_MAX:
             raise InvalidRequestError(
                 f"seed={params.seed} with n={params.n} is invalid: the n choices use seeds "
@@ -84,6 +87,22 @@ class InputProcessor:
         out = list(ids)
         check_token_ids(out, self.vocab_size, "prompt")
         return out
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as it would start the text and as it would follow
+    a space (the second only when it tokenizes differently but to as many
+    tokens), as vLLM's `SamplingParams.update_from_tokenizer` does."""
+    out: list[list[int]] = []
+    for word in words:
+        bare, spaced = tokenizer.encode_batch(
+            [word.lstrip(), " " + word.lstrip()], add_special_tokens=False
+        )
+        if bare:
+            out.append(bare)
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return out
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:

@@ -10,7 +10,13 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncllm.errors import ConfigError
-from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    RequestOutputKind,
+    SamplingParams,
+)
 from asyncllm.server.protocol_tools import MAX_TOOLS, ChatTool, ToolChoice
 from asyncllm.structured_output import openai_fields
 
@@ -90,7 +96,12 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (a JSON object's keys are strings) -> bias in [-100, 100].
+    # The length bounds stop pydantic at the first entry over, before the rest.
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's: only these tokens may be sampled; words never to generate
+    allowed_token_ids: Annotated[list[int], Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cache
     # -- output constraints (structured_output/openai_fields.py) --
     response_format: dict[str, Any] | None = None  # OpenAI's: json_object, json_schema
@@ -103,9 +114,21 @@ class _SamplingFields(BaseModel):
         except openai_fields.FormatError as exc:
             raise bad_request(str(exc), exc.param) from None
 
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with token-id keys; a 400 naming it for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise bad_request(
+                    f"logit_bias: key {key[:20]!r} is not a token id (a non-negative integer)",
+                    "logit_bias",
+                )
+            out[int(key)] = bias
+        return out
+
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream to be true", "stream_options")
 
@@ -136,6 +159,9 @@ class _SamplingFields(BaseModel):
             "output_kind": RequestOutputKind.DELTA,
             "cache_salt": self.cache_salt,
             "structured_outputs": self.structured(),
+            "logit_bias": self.token_bias(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         for name in (
             "temperature",

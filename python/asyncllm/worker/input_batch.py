@@ -14,6 +14,7 @@ import numpy as np
 
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.token_rules import RowTokenRules, row_token_rules
 
 # Columns of `InputBatch.sample_f` (float32) and `sample_i` (int64): the sampler's
 # per-row parameters, packed in the layout `_core._sample` reads (rust/py/sampler.rs).
@@ -33,6 +34,8 @@ class RowState:
     stop_token_ids: list[int]
     # the prompt's distinct tokens (sorted), for penalties; None without them
     prompt_tokens: np.ndarray | None = None
+    # logit bias, allowed tokens, bad words (worker/token_rules.py); None without
+    rules: RowTokenRules | None = None
 
 
 class InputBatch:
@@ -54,6 +57,8 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int32)  # -1 = none
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int32)
+        # rows whose request has token rules: a step without any checks this once
+        self.num_token_rules = 0
         self.rows: dict[int, int] = {}
         self.states: list[RowState | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -98,7 +103,9 @@ class InputBatch:
         prompt_tokens = None
         if p.has_penalties:
             prompt_tokens = np.unique(self.token_ids[row, : new.num_prompt_tokens])
-        self.states[row] = RowState(new.req_id, p, sorted(new.stop_token_ids), prompt_tokens)
+        rules = row_token_rules(p)
+        self.num_token_rules += rules is not None
+        self.states[row] = RowState(new.req_id, p, sorted(new.stop_token_ids), prompt_tokens, rules)
         return row
 
     def remove(self, req_id: int) -> RowState | None:
@@ -106,6 +113,8 @@ class InputBatch:
         if row is None:
             return None
         state = self.states[row]
+        if state is not None and state.rules is not None:
+            self.num_token_rules -= 1
         self.states[row] = None
         self._free_rows.append(row)
         return state

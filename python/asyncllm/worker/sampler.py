@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, min-tokens masking, greedy, temperature, top-k,
+"""Batched sampling: logit bias, allowed tokens, bad words, penalties,
+min-tokens masking, greedy, temperature, top-k,
 top-p, min-p, per-request seeds, and logprobs of the raw model distribution.
 
 On CPU one call of the Rust kernel samples every row (`sampler_kernel`); on other
@@ -19,6 +20,7 @@ from asyncllm.worker.sampler_kernel import sample_cpu
 from asyncllm.worker.sampler_output import SamplerOutput
 from asyncllm.worker.sampler_torch import sample_torch
 from asyncllm.worker.sampling_metadata import SamplingMetadata
+from asyncllm.worker.token_rules import merge_allowed
 
 
 class Sampler:
@@ -33,6 +35,8 @@ class Sampler:
         unseeded = md.params_i[:, I_STREAM] != 0
         if unseeded.any():
             md.params_i[unseeded, I_SEED] = self._engine_seed
+        if md.allowed_tokens is not None:  # allowed_token_ids: masks as a grammar's
+            md.allowed = merge_allowed(md.allowed, md.allowed_tokens, logits.shape[1])
         if logits.device.type == "cpu":
             return sample_cpu(logits, md)
         # rows without a finite maximum are logged when the host reads the step's

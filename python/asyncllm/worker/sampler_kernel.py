@@ -37,6 +37,7 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     ids = torch.empty((n, width), dtype=torch.int64)
     values = torch.empty((n, width), dtype=torch.float32)
     seen = _lists(md.seen, n)
+    bias = md.bias
     banned = _lists(md.banned, n)
     # The kernel reads `logits` in place with the GIL released: sound because this
     # is the runner's thread and the tensor was just computed for this step; no
@@ -59,6 +60,7 @@ def sample_cpu(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         torch.get_num_threads(),
         bitmask,
         mask_rows,
+        *((None, None, None) if bias is None else (bias.offsets, bias.tokens, bias.values)),
     )
     out = SamplerOutput(sampled=sampled)
     if nonfinite:

@@ -1,12 +1,12 @@
 """The torch sampler: dense and device-agnostic. It is the sampler on CUDA and the
-reference the CPU kernel (rust/sampler) is tested against, with the same
-semantics: penalties and `min_tokens` masks, greedy argmax, temperature, top-k
-(ties at the k-th value kept), top-p (the largest tokens while the mass before
-them is below top_p; ties at the boundary kept together), min-p (after top-k and
-top-p, relative to the largest probability), then the draw by inverse CDF with one
-uniform per row from Philox4x32-10 keyed by (seed, stream, output position) — the
-same numbers as the kernel's, so a seeded request's tokens depend on nothing else
-in the batch. Logprobs are of the raw logits.
+reference the CPU kernel (rust/sampler) is tested against, with the same semantics:
+logit bias, then penalties, and bans (`min_tokens`, bad words), greedy argmax,
+temperature, top-k (ties at the k-th value kept), top-p (the largest tokens while
+the mass before them is below top_p; ties at the boundary kept together), min-p
+(after top-k and top-p, relative to the largest probability), then the draw by
+inverse CDF with one uniform per row from Philox4x32-10 keyed by (seed, stream,
+output position) — the same numbers as the kernel's, so a seeded request's tokens
+depend on nothing else in the batch. Logprobs are of the raw logits.
 """
 
 from __future__ import annotations
@@ -87,10 +87,16 @@ def apply_token_bitmask(
 
 
 def masked_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """The logits after `min_tokens` bans (-inf) and penalties (a copy if any)."""
-    if md.banned is None and md.seen is None:
+    """The logits after logit bias, bans (-inf) and penalties (a copy if any);
+    penalties apply to the biased logits, as in the kernel."""
+    if md.banned is None and md.seen is None and md.bias is None:
         return raw
     logits = raw.clone()
+    if md.bias is not None:
+        b, to = md.bias, raw.device
+        bias_rows = np.repeat(np.arange(len(b.offsets) - 1), np.diff(b.offsets))
+        values = torch.from_numpy(b.values).to(to)
+        logits[torch.from_numpy(bias_rows).to(to), torch.from_numpy(b.tokens).to(to)] += values
     if md.banned is not None:
         rows, tokens, _ = _coo(md.banned, raw.device)
         logits[rows, tokens] = _NEG_INF

@@ -1,6 +1,7 @@
 """A step's sampling inputs, gathered from the persistent rows of `InputBatch`:
 one fancy index for the packed per-row parameters, plus sparse token lists for
-the few rows with penalties or a `min_tokens` mask. Both samplers read it: the
+the few rows with penalties, bans (`min_tokens`, bad words) or a logit bias
+(worker/token_rules.py). Both samplers read it: the
 CPU kernel (`sampler_kernel`) as is, the torch path (`sampler_torch`) after
 densifying the token lists on the logits' device."""
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from asyncllm.worker.input_batch import I_NUM_LOGPROBS, I_POSITION, InputBatch
+from asyncllm.worker.token_rules import BiasLists, RowTokenRules, step_token_rules
 
 
 @dataclass(slots=True)
@@ -35,12 +37,16 @@ class SamplingMetadata:
     # tokens each penalised row has seen (each once; counts = occurrences among the
     # outputs, 0 = prompt only); None when no row has penalties
     seen: TokenLists | None
-    # tokens each row may not sample yet (min_tokens); None when no row has any
+    # tokens each row may not sample now (min_tokens, bad words); None when none
     banned: TokenLists | None
     max_num_logprobs: int | None
     # output constraints: (indices of the constrained rows [m] int64, their
     # allowed-token bitmask [m, ceil(vocab / 32)] int32); None when no row has one
     allowed: tuple[np.ndarray, np.ndarray] | None = None
+    # logit_bias of the rows that have one (added before the penalties)
+    bias: BiasLists | None = None
+    # rows with allowed_token_ids: the sampler ANDs their masks into `allowed`
+    allowed_tokens: list[tuple[int, RowTokenRules]] | None = None
 
     @property
     def num_logprobs(self) -> np.ndarray:
@@ -58,7 +64,7 @@ def build_sampling_metadata(
     params_i[:, I_POSITION] = num_out
     num_logprobs = params_i[:, I_NUM_LOGPROBS]
     max_num_logprobs = int(num_logprobs.max()) if (num_logprobs >= 0).any() else None
-    return SamplingMetadata(
+    md = SamplingMetadata(
         all_greedy=bool(ib.greedy[rows].all()),
         params_f=params_f,
         params_i=params_i,
@@ -66,6 +72,50 @@ def build_sampling_metadata(
         banned=_banned_tokens(ib, rows, num_out),
         max_num_logprobs=max_num_logprobs,
     )
+    if ib.num_token_rules:  # the one check a step without token rules pays
+        _add_token_rules(md, ib, rows)
+    return md
+
+
+def _add_token_rules(md: SamplingMetadata, ib: InputBatch, rows: np.ndarray) -> None:
+    """The rows' logit bias, allowed tokens and bad-word bans (after the tokens
+    each row has generated so far)."""
+    rules: list[RowTokenRules | None] = []
+    outputs: list[list[int] | None] = []
+    for row in rows.tolist():
+        state = ib.states[row]
+        r = None if state is None else state.rules
+        rules.append(r)
+        if r is None or not (r.bad_words or r.always_banned):
+            outputs.append(None)
+            continue
+        longest = max((len(w) for w in r.bad_words), default=1)
+        n_prompt, n_total = int(ib.num_prompt_tokens[row]), int(ib.num_tokens[row])
+        outputs.append(ib.token_ids[row, max(n_prompt, n_total - longest + 1) : n_total].tolist())
+    step = step_token_rules(rules, outputs)
+    if step is None:
+        return
+    md.bias = step.bias
+    md.allowed_tokens = step.allowed_rows or None
+    if step.bans:
+        md.banned = _with_bans(md.banned, step.bans, len(rules))
+
+
+def _with_bans(banned: TokenLists | None, bans: dict[int, list[int]], n: int) -> TokenLists:
+    """`banned` with each row's `bans` added."""
+    lists: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for i in range(n):
+        parts = []
+        if banned is not None and banned.offsets[i + 1] > banned.offsets[i]:
+            parts.append(banned.tokens[banned.offsets[i] : banned.offsets[i + 1]])
+        if i in bans:
+            parts.append(np.asarray(bans[i], dtype=np.int64))
+        if not parts:
+            lists.append(None)
+            continue
+        tokens = np.concatenate(parts)
+        lists.append((tokens, np.zeros(len(tokens), dtype=np.int64)))
+    return _csr(lists)
 
 
 def _csr(lists: list[tuple[np.ndarray, np.ndarray] | None]) -> TokenLists:

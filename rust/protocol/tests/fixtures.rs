@@ -44,7 +44,8 @@ fn request_a() -> AddRequest {
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
         cache_salt: None,
-        structured: None,
+        structured_outputs: None,
+        ..AddRequest::new(0, vec![])
     }
 }
 
@@ -69,10 +70,13 @@ fn request_b() -> AddRequest {
         frequency_penalty: -0.5,
         presence_penalty: 2.0,
         cache_salt: Some("tenant-β".into()),
-        structured: Some(StructuredSpec {
+        structured_outputs: Some(StructuredSpec {
             kind: "choice".into(),
             spec: r#"["yes","no"]"#.into(),
         }),
+        logit_bias: vec![(7, -100.0), (50_256, 2.5)],
+        allowed_token_ids: vec![7, 9, 50_256],
+        bad_words_token_ids: vec![vec![11], vec![12, 13]],
     }
 }
 

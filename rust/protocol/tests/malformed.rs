@@ -1,6 +1,7 @@
 //! Every class of malformed input is rejected with an error that names what
 //! was wrong and where.
 
+use super::super::add_request::ADD_REQUEST_FIELDS;
 use super::super::writer::Writer;
 use super::*;
 
@@ -13,7 +14,7 @@ fn frame(message_type: MessageType, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
     w.into_bytes()
 }
 
-/// The 20 fields of a valid AddRequest with prompt [1, 2, 3].
+/// The 23 fields of a valid AddRequest with prompt [1, 2, 3].
 fn add_request_fields() -> Vec<Field> {
     vec![
         Box::new(|w| w.uint(9)),
@@ -35,6 +36,9 @@ fn add_request_fields() -> Vec<Field> {
         Box::new(|w| w.f32(0.0)),
         Box::new(|w| w.f32(0.0)),
         Box::new(|w| w.nil()),
+        Box::new(|w| w.nil()),
+        Box::new(|w| w.nil()),
+        Box::new(|w| w.u32s(&[], "").unwrap()),
         Box::new(|w| w.nil()),
     ]
 }
@@ -129,10 +133,10 @@ fn truncated_token_array_names_the_field() {
         err(&bytes[..2 + 1 + 3 + 1 + 3 + 20]),
         "truncated frame: AddRequests[0].prompt_token_ids needs 4096 bytes, 20 left"
     );
-    // Fewer bytes than the request's 20 fields could take fails at its header.
+    // Fewer bytes than the request's fields could take fails at its header.
     assert_eq!(
         err(&bytes[..2 + 1 + 3 + 10]),
-        "truncated frame: AddRequests[0] needs 20 bytes, 10 left"
+        format!("truncated frame: AddRequests[0] needs {ADD_REQUEST_FIELDS} bytes, 10 left")
     );
 }
 
@@ -179,20 +183,20 @@ fn structured_specs_are_checked() {
     };
     assert_eq!(
         err(&with("xml", "{}".into())),
-        "malformed frame: AddRequests[0].structured: kind \"xml\" is not one of \
+        "malformed frame: AddRequests[0].structured_outputs: kind \"xml\" is not one of \
          json, regex, choice, grammar, json_object"
     );
     assert_eq!(
         err(&with("regex", "a".repeat(MAX_STRUCTURED_SPEC_BYTES + 1))),
         format!(
-            "malformed frame: AddRequests[0].structured: spec of {} bytes is over the limit \
+            "malformed frame: AddRequests[0].structured_outputs: spec of {} bytes is over the limit \
              of {MAX_STRUCTURED_SPEC_BYTES}",
             MAX_STRUCTURED_SPEC_BYTES + 1
         )
     );
     assert!(decode(&with("regex", "a+".into())).is_ok());
     let mut r = AddRequest::new(1, vec![1]);
-    r.structured = Some(StructuredSpec {
+    r.structured_outputs = Some(StructuredSpec {
         kind: "json".into(),
         spec: "x".repeat(MAX_STRUCTURED_SPEC_BYTES + 1),
     });
@@ -221,7 +225,11 @@ fn wrong_array_lengths() {
     fields.pop();
     assert_eq!(
         err(&add_requests_frame(&fields)),
-        "malformed frame: AddRequests[0]: expected an array of 20 fields, found 19"
+        format!(
+            "malformed frame: AddRequests[0]: expected an array of {ADD_REQUEST_FIELDS} fields, \
+             found {}",
+            ADD_REQUEST_FIELDS - 1
+        )
     );
     assert_eq!(
         err(&frame(MessageType::Shutdown, |w| w
@@ -407,4 +415,43 @@ fn utility_problems() {
         w.nil();
     });
     assert!(err(&deep).contains("nest deeper than 64 levels"));
+}
+
+#[test]
+fn malformed_list_fields() {
+    // logit_bias: ids and biases of different lengths
+    let uneven = with_field(
+        20,
+        Box::new(|w| {
+            w.array_len(2, "").unwrap();
+            w.u32s(&[1, 2], "").unwrap();
+            w.f32s(&[0.5], "").unwrap();
+        }),
+    );
+    assert_eq!(
+        err(&uneven),
+        "malformed frame: AddRequests[0].logit_bias: 2 token ids but 1 biases"
+    );
+    // bad_words_token_ids: a list that is not a bin of u32
+    let bad_word = with_field(
+        22,
+        Box::new(|w| {
+            w.array_len(2, "").unwrap();
+            w.u32s(&[1], "").unwrap();
+            w.bin(&[1, 2, 3], "").unwrap();
+        }),
+    );
+    assert!(err(&bad_word).starts_with("malformed frame: AddRequests[0].bad_words_token_ids[1]:"));
+    // both decode when well formed
+    let ok = with_field(
+        22,
+        Box::new(|w| {
+            w.array_len(1, "").unwrap();
+            w.u32s(&[4, 5], "").unwrap();
+        }),
+    );
+    let Message::AddRequests(r) = decode(&ok).unwrap() else {
+        panic!("not AddRequests")
+    };
+    assert_eq!(r[0].bad_words_token_ids, vec![vec![4, 5]]);
 }

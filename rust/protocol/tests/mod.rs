@@ -116,10 +116,13 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         frequency_penalty: rng.f32(),
         presence_penalty: rng.f32(),
         cache_salt: rng.opt(|r| r.string(20)),
-        structured: rng.opt(|r| StructuredSpec {
+        structured_outputs: rng.opt(|r| StructuredSpec {
             kind: STRUCTURED_KINDS[r.below(5) as usize].to_string(),
             spec: r.string(40),
         }),
+        logit_bias: rng.u32s(3).into_iter().map(|t| (t, rng.f32())).collect(),
+        allowed_token_ids: rng.u32s(4),
+        bad_words_token_ids: (0..rng.below(3)).map(|_| rng.u32s(3)).collect(),
     }
 }
 

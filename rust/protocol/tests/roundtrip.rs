@@ -38,7 +38,7 @@ fn edge_cases_round_trip() {
     max.max_tokens = u32::MAX;
     max.arrival_time = f64::MAX;
     max.cache_salt = Some("é".repeat(256));
-    max.structured = Some(StructuredSpec {
+    max.structured_outputs = Some(StructuredSpec {
         kind: "json".into(),
         spec: "é".repeat(MAX_STRUCTURED_SPEC_BYTES / 2),
     });

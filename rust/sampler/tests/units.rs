@@ -272,6 +272,7 @@ fn logprobs_are_of_the_raw_logits() {
             tokens: &[],
         },
         masks: Masks::NONE,
+        bias: Bias::NONE,
     };
     let (mut s, mut r, mut ids, mut vals) = ([0i64], [0i64], [0i64; 7], [0f32; 7]);
     let out = Outputs {
@@ -361,6 +362,7 @@ fn bad_arguments_are_errors() {
                 tokens: &[],
             },
             masks: Masks::NONE,
+            bias: Bias::NONE,
         };
         let (mut s, mut r) = ([0i64], [0i64]);
         let out = Outputs {
@@ -562,6 +564,7 @@ fn masked_rows_draw_allowed_tokens_only() {
                     words: 4,
                     of_row: &of_row,
                 },
+                bias: Bias::NONE,
             };
             let (mut s, mut r) = ([0i64; 3], [0i64; 3]);
             let out = Outputs {
@@ -578,4 +581,128 @@ fn masked_rows_draw_allowed_tokens_only() {
             assert_eq!(s[1], plain[0], "the unconstrained row is untouched");
         }
     }
+}
+
+/// Samples one greedy-or-random row with the given bias and penalties.
+fn sample_biased(row: &[f32], p: RowParams, bias: (&[u32], &[f32]), seen: &[u32]) -> i64 {
+    let offsets = [0usize, bias.0.len()];
+    let so = [0usize, seen.len()];
+    let counts: Vec<u32> = seen.iter().map(|_| 1).collect();
+    let batch = Batch {
+        logits: row,
+        vocab: row.len(),
+        rows: &[p],
+        seen: TokenLists {
+            offsets: &so,
+            tokens: seen,
+        },
+        seen_counts: &counts,
+        banned: TokenLists {
+            offsets: &[0, 0],
+            tokens: &[],
+        },
+        masks: Masks::NONE,
+        bias: Bias {
+            offsets: &offsets,
+            tokens: bias.0,
+            values: bias.1,
+        },
+    };
+    let (mut s, mut r) = ([0i64], [0i64]);
+    let out = Outputs {
+        sampled: &mut s,
+        ranks: &mut r,
+        logprob_ids: &mut [],
+        logprob_values: &mut [],
+        width: 0,
+    };
+    sample(&batch, out, 1).unwrap();
+    s[0]
+}
+
+#[test]
+fn logit_bias_moves_the_choice() {
+    let row = [5.0f32, 1.0, 0.0, -2.0];
+    let greedy = RowParams {
+        greedy: true,
+        ..params()
+    };
+    assert_eq!(sample_biased(&row, greedy, (&[], &[]), &[]), 0);
+    // +100 on a weak token wins under greedy, and under sampling at temperature 1
+    assert_eq!(sample_biased(&row, greedy, (&[3], &[100.0]), &[]), 3);
+    for position in 0..50 {
+        let p = RowParams {
+            position,
+            ..params()
+        };
+        assert_eq!(sample_biased(&row, p, (&[3], &[100.0]), &[]), 3);
+        // -100 on every other token leaves only token 2
+        let all_but_2 = (&[0u32, 1, 3][..], &[-100.0f32, -100.0, -100.0][..]);
+        assert_eq!(sample_biased(&row, p, all_but_2, &[]), 2);
+    }
+}
+
+#[test]
+fn penalties_apply_to_the_biased_logit() {
+    // token 1: 1.0 + 4.0 = 5.0, then presence 0.5 -> 4.5 (< token 0's 5.0 with
+    // no bias, so token 0 wins); without the bias first it would be 0.5
+    let row = [4.75f32, 1.0, 0.0];
+    let p = RowParams {
+        greedy: true,
+        presence: 0.5,
+        ..params()
+    };
+    let mut ov = Vec::new();
+    penalties::overrides(&row, &p, &[1], &[1], &[], (&[1], &[4.0]), &mut ov);
+    assert_eq!(ov, vec![(1, 4.5)]);
+    assert_eq!(sample_biased(&row, p, (&[1], &[4.0]), &[1]), 0);
+    assert_eq!(sample_biased(&row, p, (&[1], &[4.5]), &[1]), 1);
+}
+
+#[test]
+fn bias_lists_are_checked() {
+    let row = [0.0f32; 4];
+    let p = params();
+    let run = |tokens: &[u32], values: &[f32]| {
+        let offsets = [0usize, tokens.len()];
+        let batch = Batch {
+            logits: &row,
+            vocab: 4,
+            rows: &[p],
+            seen: TokenLists {
+                offsets: &[0, 0],
+                tokens: &[],
+            },
+            seen_counts: &[],
+            banned: TokenLists {
+                offsets: &[0, 0],
+                tokens: &[],
+            },
+            masks: Masks::NONE,
+            bias: Bias {
+                offsets: &offsets,
+                tokens,
+                values,
+            },
+        };
+        let (mut s, mut r) = ([0i64], [0i64]);
+        let out = Outputs {
+            sampled: &mut s,
+            ranks: &mut r,
+            logprob_ids: &mut [],
+            logprob_values: &mut [],
+            width: 0,
+        };
+        sample(&batch, out, 1)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert!(run(&[1, 2], &[1.0, 2.0]).is_ok());
+    assert!(run(&[4], &[1.0])
+        .unwrap_err()
+        .contains("bias token 4 is not in 0..4"));
+    assert!(run(&[2, 1], &[1.0, 2.0])
+        .unwrap_err()
+        .contains("sorted and distinct"));
+    assert!(run(&[1], &[f32::NAN]).unwrap_err().contains("not finite"));
 }
