@@ -29,25 +29,36 @@ pub(super) unsafe fn columns_dpbf16(
     out: &mut [f32],
 ) {
     let width = cols.len();
+    let groups = m / 4 * 4;
     for (c, j) in cols.enumerate() {
         let row = &w[j * k..(j + 1) * k];
         let b = bias.map_or(0.0, |b| b[j]);
-        for i in 0..m {
-            out[i * width + c] = dot(&x[i * k..(i + 1) * k], row) + b;
+        for i in (0..groups).step_by(4) {
+            let sums = dot::<4>(&x[i * k..(i + 4) * k], row);
+            for (r, s) in sums.iter().enumerate() {
+                out[(i + r) * width + c] = s + b;
+            }
+        }
+        for i in groups..m {
+            out[i * width + c] = dot::<1>(&x[i * k..(i + 1) * k], row)[0] + b;
         }
     }
 }
 
-/// `x · w` in the order described at the top.
+/// `x_r · w` for the `R` rows of `x` (each `w.len()` long) in the order described
+/// at the top; the rows share each weight load, and no row's operations depend
+/// on `R`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn dot(x: &[u16], w: &[u16]) -> f32 {
+fn dot<const R: usize>(x: &[u16], w: &[u16]) -> [f32; R] {
     use std::arch::x86_64::*;
 
     use super::bf16_to_f32;
 
-    let (cx, rx) = x.as_chunks::<32>();
+    let k = w.len();
     let (cw, rw) = w.as_chunks::<32>();
+    let rows: [(&[[u16; 32]], &[u16]); R] =
+        std::array::from_fn(|r| x[r * k..(r + 1) * k].as_chunks::<32>());
     // SAFETY: inlined only into `columns_dpbf16`, compiled with AVX512F and
     // AVX512-BF16 for CPUs that have them; every load reads one whole 32-element
     // chunk of a slice (`as_chunks`; unaligned loads allowed), and `__m512i` and
@@ -56,25 +67,34 @@ fn dot(x: &[u16], w: &[u16]) -> f32 {
         let load = |c: &[u16; 32]| -> __m512bh {
             std::mem::transmute(_mm512_loadu_si512(c.as_ptr().cast()))
         };
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let blocks = cx.len() / 4 * 4;
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let blocks = cw.len() / 4 * 4;
         for b in (0..blocks).step_by(4) {
-            for (a, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_dpbf16_ps(*acc, load(&cx[b + a]), load(&cw[b + a]));
+            for a in 0..4 {
+                let wv = load(&cw[b + a]);
+                for (acc, (cx, _)) in acc.iter_mut().zip(&rows) {
+                    acc[a] = _mm512_dpbf16_ps(acc[a], load(&cx[b + a]), wv);
+                }
             }
         }
-        let mut last = _mm512_setzero_ps();
-        for (xc, wc) in cx[blocks..].iter().zip(&cw[blocks..]) {
-            last = _mm512_dpbf16_ps(last, load(xc), load(wc));
+        let mut last = [_mm512_setzero_ps(); R];
+        for (i, wc) in cw.iter().enumerate().skip(blocks) {
+            let wv = load(wc);
+            for (last, (cx, _)) in last.iter_mut().zip(&rows) {
+                *last = _mm512_dpbf16_ps(*last, load(&cx[i]), wv);
+            }
         }
-        let sum = _mm512_add_ps(
-            _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
-            last,
-        );
-        let mut s = _mm512_reduce_add_ps(sum);
-        for (a, b) in rx.iter().zip(rw) {
-            s = bf16_to_f32(*a).mul_add(bf16_to_f32(*b), s);
-        }
-        s
+        std::array::from_fn(|r| {
+            let a = &acc[r];
+            let sum = _mm512_add_ps(
+                _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                last[r],
+            );
+            let mut s = _mm512_reduce_add_ps(sum);
+            for (a, b) in rows[r].1.iter().zip(rw) {
+                s = bf16_to_f32(*a).mul_add(bf16_to_f32(*b), s);
+            }
+            s
+        })
     }
 }
