@@ -3,7 +3,8 @@
 Each function takes the raw blocks of one type as uint8 [n_blocks, type_size] and
 returns float32 [n_blocks, block_size], computed with the same operations in the
 same order as gguf-py's numpy `dequantize_blocks`, so the results are equal bit for
-bit (tests/test_gguf_dequant.py). `dequantize` applies one to the rows of a weight.
+bit (tests/test_gguf_dequant.py; NaN where it has NaN, whose payload bits the CPU's
+conversions may set otherwise). `dequantize` applies one to the rows of a weight.
 Faster kernels are checked against this one.
 """
 
@@ -133,15 +134,7 @@ def _f32(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _f16_all(raw: torch.Tensor) -> torch.Tensor:
-    half = raw.contiguous().view(torch.float16)
-    out = half.float()
-    nan = out.isnan()
-    if bool(nan.any()):
-        # The CPU's conversion quiets signalling NaNs; numpy keeps their payload.
-        bits = half.view(torch.int16).to(torch.int32)[nan]
-        sign, mantissa = (bits >> 15) & 1, bits & 0x3FF
-        out[nan] = ((sign << 31) | (0xFF << 23) | (mantissa << 13)).view(torch.float32)
-    return out
+    return raw.contiguous().view(torch.float16).float()
 
 
 def _bf16(raw: torch.Tensor) -> torch.Tensor:
