@@ -4,6 +4,7 @@
 mod codec;
 mod detok;
 mod errors;
+mod gguf;
 mod kernels;
 mod linear;
 mod mask_job;
@@ -31,6 +32,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(native_version, m)?)?;
     m.add_function(wrap_pyfunction!(wire_version, m)?)?;
     errors::register(m)?;
+    gguf::register(m)?;
     codec::register(m)?;
     detok::register(m)?;
     kernels::register(m)?;

@@ -1,6 +1,8 @@
-"""GGUF block formats dequantized with torch: the checked reference path.
+"""GGUF block formats dequantized: the extension's kernel on the CPU
+(rust/kernels/gguf.rs, about 100x the torch code below), torch elsewhere.
 
-Each function takes the raw blocks of one type as uint8 [n_blocks, type_size] and
+Both compute each element with gguf-py's operations in gguf-py's order. In torch,
+each function takes the raw blocks of one type as uint8 [n_blocks, type_size] and
 returns float32 [n_blocks, block_size], computed with the same operations in the
 same order as gguf-py's numpy `dequantize_blocks`, so the results are equal bit for
 bit (tests/test_gguf_dequant.py; NaN where it has NaN, whose payload bits the CPU's
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from asyncllm import _core
 from asyncllm.errors import ModelLoadError
 
 QK_K = 256
@@ -174,6 +177,17 @@ def row_bytes(qtype: str, cols: int) -> int:
 
 def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of raw blocks uint8 [rows, row_bytes] -> float32 [rows, cols]."""
+    if raw.device.type != "cpu":
+        return dequantize_torch(raw, qtype)
+    block, size = BLOCK_SIZES[qtype]
+    raw = raw.contiguous()
+    out = torch.empty(raw.shape[0], raw.shape[1] // size * block)
+    _core._gguf_dequantize(qtype, raw.numpy(), out.numpy())
+    return out
+
+
+def dequantize_torch(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`dequantize` with torch ops, on any device."""
     block, size = BLOCK_SIZES[qtype]
     rows = raw.shape[0]
     out = _BLOCKS[qtype](raw.reshape(-1, size))

@@ -1,11 +1,17 @@
 """Layers whose weights stay in GGUF blocks in memory.
 
-`GGUFLinear` computes `y = x Wᵀ + b` by dequantizing a tile of W's rows at a time
-(float32, then the input's dtype) and running the float GEMM on it, so the whole
-float weight never exists at once: memory holds the blocks, and a tile stays in
-cache between its dequantization and its GEMM. This is the checked reference path
-for every type; faster kernels (integer dot products on the blocks) plug in as
-other forwards of the same layer and are tested against it.
+`GGUFLinear` computes `y = x Wᵀ + b` in one of two ways, both reading the blocks:
+
+    rows <= FUSED_MAX_ROWS (decode, on the CPU): the extension's `_gguf_linear`
+        decodes each weight row into a cache-resident buffer and dots it with every
+        row of x: the weight is read once per step, as blocks
+    otherwise: a tile of W's rows at a time is dequantized (float32, then x's
+        dtype) and the float GEMM runs on it, so the whole float weight never
+        exists at once and a tile stays in cache between the two
+
+Both are the checked path for every type (equal to dequantize + float32 matmul up
+to float rounding); faster integer kernels plug in as other forwards of the same
+layer and are tested against them.
 
 `GGUFEmbedding` gathers the rows of the tokens it is asked for and dequantizes
 only those. A tied LM head is a `GGUFLinear` over the embedding's very blocks.
@@ -17,11 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm import _core
 from asyncllm.models.gguf.dequant import BLOCK_SIZES, dequantize, row_bytes
 
 # Elements of W dequantized per tile: 256k float32 (1 MiB) stays in L2 with the
 # GEMM's operands on current CPUs.
 TILE_ELEMENTS = 1 << 18
+# Up to this many rows the fused kernel runs (it does a dot product per weight row
+# and x row: past a few rows the GEMM on dequantized tiles is faster).
+FUSED_MAX_ROWS = 4
 
 
 class GGUFLinear(nn.Module):
@@ -53,8 +63,12 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        fused = rows.device.type == "cpu" and rows.shape[0] <= FUSED_MAX_ROWS
         outs = []
         for qtype, raw in self.parts():
+            if fused:
+                outs.append(_fused(qtype, rows, raw))
+                continue
             for start in range(0, raw.shape[0], self.tile_rows):
                 w = dequantize(raw[start : start + self.tile_rows], qtype)
                 outs.append(F.linear(rows, w if rows.dtype == w.dtype else w.to(rows.dtype)))
@@ -65,6 +79,14 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={self.qtypes}"
+
+
+def _fused(qtype: str, rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """x · Wᵀ by the extension's kernel on the blocks (float32 in and out)."""
+    x = rows.float().contiguous()
+    out = torch.empty(x.shape[0], raw.shape[0])
+    _core._gguf_linear(qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads())
+    return out if rows.dtype == torch.float32 else out.to(rows.dtype)
 
 
 class GGUFEmbedding(nn.Module):
