@@ -305,7 +305,8 @@ pub fn gguf_linear(
     }
     let out_ptr = OutPtr(out.as_mut_ptr());
     let item = |idx: usize, buf: &mut Vec<f32>| {
-        buf.resize(k, 0.0);
+        // a decoded weight row, or each x row's block sums
+        buf.resize(k.max(m * (k / 32)), 0.0);
         let rows = idx * ITEM_ROWS..((idx + 1) * ITEM_ROWS).min(n);
         item_rows(
             t,
@@ -368,12 +369,92 @@ fn item_rows_generic(
     buf: &mut [f32],
     store: &dyn Fn(usize, usize, f32),
 ) {
+    if matches!(t, GgufType::Q8_0 | GgufType::Q4_0 | GgufType::Q4_1) {
+        // The common 32-blocks: the block's scale applied to the dot of its
+        // integers (and its offset to the sum of x's 32 values, computed once per
+        // x row), without writing the decoded row anywhere.
+        let blocks = k / 32;
+        let (xsum, _) = buf.split_at_mut(x.len() / k * blocks);
+        for (s, xb) in xsum.iter_mut().zip(x.chunks_exact(32)) {
+            *s = xb.iter().sum();
+        }
+        for (j, row) in w.chunks_exact(rb).enumerate() {
+            for (r, xr) in x.chunks_exact(k).enumerate() {
+                let xs = &xsum[r * blocks..(r + 1) * blocks];
+                let v = match t {
+                    GgufType::Q8_0 => fused_q8_0(row, xr),
+                    _ => fused_q4(row, xr, xs, t == GgufType::Q4_1),
+                };
+                store(r, j, v);
+            }
+        }
+        return;
+    }
+    let buf = &mut buf[..k];
     for (j, row) in w.chunks_exact(rb).enumerate() {
         decode_row(t, row, buf);
         for (r, xr) in x.chunks_exact(k).enumerate() {
             store(r, j, dot(buf, xr));
         }
     }
+}
+
+/// Σ_blocks d · Σ q·x over a row of Q8_0 blocks, in 8 lanes.
+#[inline(always)]
+fn fused_q8_0(row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (b, xb) in row.chunks_exact(34).zip(x.chunks_exact(32)) {
+        let (Ok(b), Ok(xb)) = (<&[u8; 34]>::try_from(b), <&[f32; 32]>::try_from(xb)) else {
+            continue;
+        };
+        let mut p = [0.0f32; 8];
+        for i in 0..4 {
+            for l in 0..8 {
+                p[l] += f32::from(b[2 + 8 * i + l] as i8) * xb[8 * i + l];
+            }
+        }
+        let d = half(b, 0);
+        for l in 0..8 {
+            acc[l] += d * p[l];
+        }
+    }
+    lanes_sum(acc)
+}
+
+/// Q4_0 (d · (q - 8)) and Q4_1 (d · q + m) rows: d · Σ q·x, plus the offset times
+/// the block's Σ x (`xsum`), in 8 lanes.
+#[inline(always)]
+fn fused_q4(row: &[u8], x: &[f32], xsum: &[f32], with_min: bool) -> f32 {
+    let (size, qs_at) = if with_min { (20, 4) } else { (18, 2) };
+    let mut acc = [0.0f32; 8];
+    let mut offsets = 0.0f32;
+    for ((b, xb), xs) in row.chunks_exact(size).zip(x.chunks_exact(32)).zip(xsum) {
+        let (Ok(qs), Ok(xb)) = (
+            <&[u8; 16]>::try_from(&b[qs_at..qs_at + 16]),
+            <&[f32; 32]>::try_from(xb),
+        ) else {
+            continue;
+        };
+        let mut p = [0.0f32; 8];
+        for i in 0..2 {
+            for l in 0..8 {
+                let byte = qs[8 * i + l];
+                p[l] += f32::from(byte & 0x0f) * xb[8 * i + l];
+                p[l] += f32::from(byte >> 4) * xb[16 + 8 * i + l];
+            }
+        }
+        let d = half(b, 0);
+        for l in 0..8 {
+            acc[l] += d * p[l];
+        }
+        offsets += if with_min { half(b, 2) } else { -8.0 * d } * xs;
+    }
+    lanes_sum(acc) + offsets
+}
+
+#[inline(always)]
+fn lanes_sum(acc: [f32; 8]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
 /// A dot product in 16 lanes (vectorized by the compiler), then a fixed tree.

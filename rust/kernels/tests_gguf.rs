@@ -71,3 +71,41 @@ fn bad_shapes_and_types_are_errors() {
     let mut small = vec![0.0; 1];
     assert!(gguf_linear(GgufType::Q8_0, 1, 32, &[0.0; 32], &[0; 68], 1, &mut small).is_err());
 }
+
+#[test]
+fn fused_block_types_equal_dequantize_then_dot() {
+    // Q8_0, Q4_0 and Q4_1 take the fused path (scale times integer dot); more x
+    // rows than a decoded row has room for block sums of.
+    let (m, k, n) = (40, 64, 3);
+    for t in [GgufType::Q8_0, GgufType::Q4_0, GgufType::Q4_1] {
+        let (_, size) = t.block();
+        let rb = t.row_bytes(k).unwrap();
+        let w: Vec<u8> = (0..n * rb)
+            .map(|i| match i % size {
+                0 | 2 => 0x00,
+                1 => 0x30,               // d = 0.125
+                3 if size == 20 => 0xb8, // m = -0.5
+                _ => (i * 37 % 251) as u8,
+            })
+            .collect();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        let mut dense = vec![0.0; n * k];
+        dequantize(t, k, &w, &mut dense).unwrap();
+        let mut out = vec![0.0; m * n];
+        gguf_linear(t, m, k, &x, &w, 2, &mut out).unwrap();
+        for r in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|i| x[r * k + i] * dense[j * k + i]).sum();
+                let scale: f32 = (0..k)
+                    .map(|i| (x[r * k + i] * dense[j * k + i]).abs())
+                    .sum();
+                assert!(
+                    (out[r * n + j] - want).abs() <= 1e-5 * scale + 1e-6,
+                    "{t:?}"
+                );
+            }
+        }
+    }
+}
