@@ -7,7 +7,8 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod bf16;
-pub(crate) mod gguf;
+mod gguf;
+mod gguf_linear;
 mod linear;
 mod paged_attention;
 mod peak;
@@ -21,7 +22,8 @@ mod tests_gguf;
 mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
-pub use gguf::{dequantize as gguf_dequantize, gguf_linear, GgufType};
+pub use gguf::{dequantize as gguf_dequantize, GgufType};
+pub use gguf_linear::gguf_linear;
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,

@@ -2,7 +2,8 @@
 //! blocks, and the linear kernel against dequantize + a plain dot product.
 //! (Equality with gguf-py, bit for bit, is checked from Python.)
 
-use super::gguf::{dequantize, f16_to_f32, gguf_linear, GgufType};
+use super::gguf::{dequantize, f16_to_f32, GgufType};
+use super::gguf_linear::gguf_linear;
 
 #[test]
 fn half_floats_convert_exactly() {
