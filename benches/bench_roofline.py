@@ -2,7 +2,7 @@
 
     python benches/bench_roofline.py [--models micro small] [--dtypes float32 bfloat16]
         [--threads 2] [--batch 256] [--context 100] [--prefill 8x128] [--runs 3]
-        [--compile] [--quick]
+        [--compile] [--no-fused] [--quick]
 
 The machine, never one library call: at each of the model's matmul shapes the best
 of every kernel this install has (torch's F.linear, torch's prepacked oneDNN linear,
@@ -29,11 +29,15 @@ The engine: the model runner's `execute_model` on the same shapes (requests plac
 with their context already in the KV cache, so a decode step at context C needs no
 prefill to get there), timed per phase by wrapping the projections, the attention
 call, the forward, `compute_logits` and the sampler; elementwise = forward -
-matmuls - attention; other = the rest of the step (input preparation, attention
+matmuls - attention (- fused); other = the rest of the step (input preparation, attention
 metadata, bookkeeping). Each figure is the median of `--runs` runs; within a run the
 machine's rates and the engine's step are measured back to back, so load from
-elsewhere hits both alike. Read "engine / bound" per phase: 1.0 is the machine's
-speed; the total row is the step's distance from its roofline.
+elsewhere hits both alike. A small decode step whose layers run fused in one call
+(asyncllm.models.fused_decode; `--no-fused` turns it off) reports them as "fused",
+bound by the matmuls', attention's and elementwise work's bounds together; its
+elementwise row is then the embedding and the final norm. Read "engine / bound"
+per phase: 1.0 is the machine's speed; the total row is the step's distance from
+its roofline.
 """
 
 from __future__ import annotations
@@ -252,6 +256,9 @@ class PhaseTimer:
                 self._wrap(mod, "forward", "matmuls")
             self._wrap(layer.mlp.gate_up_proj, "forward", "matmuls")
             self._wrap(layer.mlp.down_proj, "forward", "matmuls")
+        fused = getattr(model, "fused_decode", None)
+        if fused is not None:  # small decode steps: every layer in one call
+            fused.plan = _TimedPlan(fused.plan, self.t)
         self._wrap(model, "forward", "forward")
         self._wrap(model, "compute_logits", "lm_head")
         self._wrap(llama, "paged_attention", "attention")
@@ -275,7 +282,9 @@ class PhaseTimer:
         runner.execute_model(so)
         total = time.perf_counter() - t0
         t = dict(self.t)
-        t["elementwise"] = t["forward"] - t["matmuls"] - t["attention"]
+        for key in ("matmuls", "attention", "fused"):
+            t.setdefault(key, 0.0)
+        t["elementwise"] = t["forward"] - t["matmuls"] - t["attention"] - t["fused"]
         t["other"] = total - t["forward"] - t["lm_head"] - t["sampling"]
         t["total"] = total
         return t
@@ -292,7 +301,20 @@ class _Timed:
         return out
 
 
+class _TimedPlan:
+    """The fused decode plan (asyncllm.models.fused_decode), its calls timed."""
+
+    def __init__(self, inner: Any, t: dict[str, float]) -> None:
+        self.inner, self.t = inner, t
+
+    def run(self, *args: Any) -> None:
+        t0 = time.perf_counter()
+        self.inner.run(*args)
+        self.t["fused"] += time.perf_counter() - t0
+
+
 QUICK = False  # --quick: a small bandwidth buffer
+FUSED = True  # --no-fused: small decode steps on the torch path (EngineArgs.fused_decode)
 COMPILE = False  # --compile: the runner's fused layers (EngineArgs.compile)
 
 
@@ -311,6 +333,7 @@ def make_runner(model_dir: Path, dtype: str, seqs: int, max_len: int, blocks: in
         num_kv_blocks=blocks,
         max_num_batched_tokens=max(seqs, 8192),
         compile=COMPILE,
+        fused_decode=FUSED,
     )
     return ModelRunner(args.resolve(hf), hf)
 
@@ -424,6 +447,8 @@ def measure(
                 b, flops = bound(s, tdtype, bw, np_ * plen, np_, ("prefill", np_, plen), args.reps)
             engine_runs.append(driver.step())
             b["total"] = sum(b.values())
+            # the fused call runs the layers' matmuls, attention and elementwise work
+            b["fused"] = b["matmuls"] + b["attention"] + b["elementwise"]
             b["bandwidth"] = bw
             b["weights_at_bw"] = s.weight_bytes(itemsize) / bw
             b["matmuls_at_peak"] = flops / peak
@@ -437,7 +462,7 @@ def measure(
             "weights_at_bw_ms": 1e3 * median(r["weights_at_bw"] for r in bound_runs),
             "matmuls_at_peak_ms": 1e3 * median(r["matmuls_at_peak"] for r in bound_runs),
         }
-        for key in (*PHASES, "total"):
+        for key in (*PHASES, "fused", "total"):
             row[f"engine_{key}"] = 1e3 * median(r.get(key, 0.0) for r in engine_runs)
             row[f"bound_{key}"] = 1e3 * median(r[key] for r in bound_runs)
         row["bandwidth_gbs"] = median(r["bandwidth"] for r in bound_runs) / 1e9
@@ -470,9 +495,11 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         print(f"kernels chosen: {kernels or 'F.linear'}")
         print("| phase | engine ms | bound ms | engine / bound |")
         print("|---|---:|---:|---:|")
-        for key in (*PHASES, "total"):
+        for key in (*PHASES, "fused", "total"):
             e, b = r[f"engine_{key}"], r[f"bound_{key}"]
-            ratio = f"{e / b:.2f}" if b > 0 else "-"
+            if key == "fused" and e == 0:
+                continue  # the step ran on the torch path
+            ratio = f"{e / b:.2f}" if b > 0 and e > 0 else "-"
             print(f"| {key} | {e:.2f} | {b:.2f} | {ratio} |")
     sys.stdout.flush()
 
@@ -504,16 +531,24 @@ def main() -> None:
     p.add_argument(
         "--compile", action="store_true", help="fused layers (EngineArgs.compile) in the engine"
     )
+    p.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="small decode steps on the torch path, not fused (EngineArgs.fused_decode)",
+    )
     p.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = p.parse_args()
-    global COMPILE, QUICK
-    COMPILE, QUICK = args.compile, args.quick
+    global COMPILE, QUICK, FUSED
+    COMPILE, QUICK, FUSED = args.compile, args.quick, not args.no_fused
     if args.quick:
         args.models, args.batch, args.context, args.prefill = ["micro"], 8, 20, "2x16"
         args.runs, args.reps = 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(machine_header() + f"; compile {'on' if args.compile else 'off'}")
+    print(
+        machine_header()
+        + f"; compile {'on' if args.compile else 'off'}; fused decode {'on' if FUSED else 'off'}"
+    )
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="roofline-"))
     for name in args.models:
         model_dir = build_model(name, root)

@@ -520,6 +520,58 @@ def _linear_isa() -> str:
     """The variant `_linear` runs on this CPU: "portable", "avx2" or "avx512", within
     the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx512", "avx2", "portable")."""
 
+@final
+class _DecodePlan:
+    """Every decoder layer of a Llama-shaped model for one-call decode steps
+    (rust/kernels/decode_layers.rs, asyncllm.models.fused_decode). `layers`: per
+    layer (input_norm, qkv, qkv_bias or None, o, post_norm, gate_up, down, kv_cache)
+    as buffers: weights float32 or bfloat16 bits (int16), one dtype for all; the bias
+    float32; the cache [2, num_blocks, block_size, num_kv_heads, head_dim] float32 or
+    bfloat16 bits. The plan holds them for its lifetime and reads them with the GIL
+    released: no other thread may write them meanwhile. Raises ValueError on a
+    dtype or shape problem."""
+
+    def __new__(
+        cls,
+        layers: list[tuple[Any, ...]],
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+    ) -> Self: ...
+    def run(
+        self,
+        hidden: _Buffer,
+        cos_sin: _Buffer,
+        slots: _Buffer,
+        block_tables: _Buffer,
+        seq_lens: _Buffer,
+        num_threads: int,
+    ) -> None:
+        """Every layer over `hidden` [m, hidden] (updated in place) for m decode rows:
+        cos_sin [m, 2, head_dim / 2] in the model's dtype, slots [m], block_tables
+        [m, n] and seq_lens [m] int64. Raises ValueError, writing nothing, on any
+        shape, slot, length or block id out of range."""
+
+def _rms_norm(out: _Buffer, x: _Buffer, weight: _Buffer, eps: float, num_threads: int) -> None:
+    """out = rms_norm(x) * weight, row by row (rows of len(weight); rust/kernels/
+    elementwise.rs): float32, or bfloat16 as int16 bits, one dtype for all; in
+    float32, rounded where asyncllm.models.layers.rms_norm rounds. C-contiguous, out
+    writable and apart from the rest. Raises ValueError on a dtype or shape problem."""
+
+def _add_rms_norm(
+    out: _Buffer, residual: _Buffer, x: _Buffer, weight: _Buffer, eps: float, num_threads: int
+) -> None:
+    """residual += x (rounded to the dtype, in place), then out = rms_norm(residual) *
+    weight, row by row; as `_rms_norm` otherwise (residual also writable and apart)."""
+
+def _silu_mul(out: _Buffer, gate_up: _Buffer, num_threads: int) -> None:
+    """out[r] = silu(gate[r]) * up[r] from the fused gate/up rows [rows, 2 * inter]
+    (gate first) into out [rows, inter]; as `_rms_norm` otherwise."""
+
 def _fma_peak(num_threads: int, iters: int) -> tuple[float, str]:
     """(float operations per second, ISA variant) of `num_threads` threads each
     running `iters` rounds of 12 independent vector fused multiply-adds: the CPU's

@@ -108,9 +108,15 @@ class EngineArgs:
     linear_kernel: str = field(default_factory=envs.linear_kernel)
     # Batch invariance (vLLM's VLLM_BATCH_INVARIANT): every linear layer runs the
     # rust kernel, whose result for a row is the same whatever rows share its step,
-    # so a request's logits do not depend on the batch (slower prefill). Default:
-    # ASYNCLLM_BATCH_INVARIANT.
+    # and prompt tokens attend one by one on the decode kernel, so a request's
+    # logits do not depend on the batch or on its prompt's chunks (slower prefill).
+    # Default: ASYNCLLM_BATCH_INVARIANT.
     batch_invariant: bool = field(default_factory=envs.batch_invariant)
+    # Small all-decode steps of Llama-shaped models run every decoder layer in one
+    # extension call (asyncllm.models.fused_decode): the same numbers as the torch
+    # path, without its ~20 small ops per layer. Off with batch_invariant (whose
+    # guarantee is tested on the torch path) and compile.
+    fused_decode: bool = True
     # Placement (engine/launcher.py; measured in benches/bench_threads.py, README):
     # pin the engine core's threads to the last `num_threads` CPUs and the front end
     # to the others (None: on for `asyncllm serve` where that leaves the front end a
@@ -235,6 +241,7 @@ class EngineArgs:
             compile=self.compile,
             linear_kernel=self.linear_kernel,
             batch_invariant=self.batch_invariant,
+            fused_decode=self.fused_decode and not self.batch_invariant and not self.compile,
         )
 
 
@@ -268,6 +275,7 @@ class EngineConfig:
     compile: bool = False
     linear_kernel: str = "auto"
     batch_invariant: bool = False
+    fused_decode: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -7,9 +7,14 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod bf16;
+mod decode_layers;
+mod elementwise;
 mod gguf;
 mod gguf_linear;
 mod linear;
+#[cfg(target_arch = "x86_64")]
+mod linear_dpbf16;
+mod linear_simd;
 mod paged_attention;
 mod peak;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
@@ -22,6 +27,8 @@ mod tests_gguf;
 mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
+pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
+pub use elementwise::{add_rms_norm, rms_norm, silu_mul};
 pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_linear::gguf_linear;
 pub use linear::{linear, linear_isa, Elem, LinearShape};

@@ -24,7 +24,7 @@ pub fn fma_peak(num_threads: usize, iters: usize) -> Result<(f64, &'static str),
         #[cfg(target_arch = "x86_64")]
         LinearIsa::Avx2 => simd::Avx2::LANES,
         #[cfg(target_arch = "x86_64")]
-        LinearIsa::Avx512 => simd::Avx512::LANES,
+        LinearIsa::Avx512 | LinearIsa::Avx512Bf16 => simd::Avx512::LANES,
     };
     let body = || {
         let sink = match isa {
@@ -34,7 +34,7 @@ pub fn fma_peak(num_threads: usize, iters: usize) -> Result<(f64, &'static str),
             LinearIsa::Avx2 => unsafe { fma_loop_avx2(iters) },
             // SAFETY: `Avx512` is detected only where the CPU has AVX512F.
             #[cfg(target_arch = "x86_64")]
-            LinearIsa::Avx512 => unsafe { fma_loop_avx512(iters) },
+            LinearIsa::Avx512 | LinearIsa::Avx512Bf16 => unsafe { fma_loop_avx512(iters) },
         };
         std::hint::black_box(sink);
     };
@@ -61,7 +61,7 @@ pub fn read_bandwidth(data: &[f32], num_threads: usize) -> Result<f64, KernelErr
             LinearIsa::Avx2 => unsafe { sum_avx2(chunk) },
             // SAFETY: `Avx512` is detected only where the CPU has AVX512F.
             #[cfg(target_arch = "x86_64")]
-            LinearIsa::Avx512 => unsafe { sum_avx512(chunk) },
+            LinearIsa::Avx512 | LinearIsa::Avx512Bf16 => unsafe { sum_avx512(chunk) },
         };
         std::hint::black_box(sum);
     };

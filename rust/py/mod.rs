@@ -2,7 +2,9 @@
 //! wrap the results.
 
 mod codec;
+mod decode_layers;
 mod detok;
+mod elementwise;
 mod errors;
 mod gguf;
 mod kernels;
@@ -34,7 +36,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     gguf::register(m)?;
     codec::register(m)?;
+    decode_layers::register(m)?;
     detok::register(m)?;
+    elementwise::register(m)?;
     kernels::register(m)?;
     linear::register(m)?;
     peak::register(m)?;

@@ -61,8 +61,12 @@ ENGINE_HELP: dict[str, str] = {
     "linear_kernel": "CPU kernel of the linear layers: auto (measure F.linear, torch's"
     " prepacked oneDNN linear and the rust matrix-vector kernel per shape at load, cached"
     " on disk), torch, onednn or rust (default: $ASYNCLLM_LINEAR_KERNEL, else auto)",
-    "batch_invariant": "run every linear layer on the rust kernel, whose result for a row"
-    " does not depend on the rows beside it (default: $ASYNCLLM_BATCH_INVARIANT, else off)",
+    "batch_invariant": "a request's output does not depend on the requests beside it:"
+    " every linear layer on the rust kernel (one reduction order for any row count), prompt"
+    " tokens attending one by one on the decode kernel (default: $ASYNCLLM_BATCH_INVARIANT,"
+    " else off)",
+    "fused_decode": "run small all-decode steps of Llama-shaped models (every decoder layer)"
+    " in one extension call (on by default; off with --batch-invariant or --compile)",
     "cpu_bind": "override the thread placement: auto (the policy), nobind (pin nothing),"
     " or a CPU list such as 2-7 for the engine core (default:"
     " $ASYNCLLM_CPU_OMP_THREADS_BIND, else auto)",

@@ -67,6 +67,19 @@ class FusedOps:
 EAGER_OPS = FusedOps()
 
 
+def set_ops(model: nn.Module, ops: FusedOps, only_replacing: FusedOps | None = None) -> int:
+    """Give every module of `model` that calls `FusedOps` these ops (with
+    `only_replacing`: only those that still have that set); returns how many."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(getattr(type(module), "ops", None), FusedOps):
+            continue
+        if only_replacing is None or getattr(module, "ops", None) is only_replacing:
+            setattr(module, "ops", ops)  # noqa: B010 (nn.Module's typed __setattr__)
+            count += 1
+    return count
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32 (`rms_norm`)."""
 

@@ -132,6 +132,9 @@ class LlamaForCausalLM(nn.Module):
 
     attention_bias = False  # Qwen2 turns this on: biases on q, k and v
     qk_norm: Any = None  # Qwen3: RMSNorm per head on q and k
+    # Set by the runner where the layers qualify: small all-decode steps run every
+    # layer in one extension call (asyncllm.models.fused_decode.FusedDecode).
+    fused_decode: Any = None
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -263,6 +266,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens (after the final norm)."""
         hidden = self.embed(input_ids)
+        fused = self.fused_decode
+        if fused is not None and fused.applies(attn_metadata, kv_caches):
+            return self.norm(fused(hidden, positions, attn_metadata))
         cos, sin = self.rotary_emb.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)

@@ -34,7 +34,14 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from asyncllm.models.attention import build_attention_metadata
-from asyncllm.models.layers import FusedOps, add_rms_norm, apply_rotary, rms_norm, silu_mul
+from asyncllm.models.layers import (
+    FusedOps,
+    add_rms_norm,
+    apply_rotary,
+    rms_norm,
+    set_ops,
+    silu_mul,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +130,6 @@ def _marking(ops: FusedOps) -> FusedOps:
     )
 
 
-def _set_ops(model: nn.Module, ops: FusedOps) -> int:
-    """Give every module of `model` that calls `FusedOps` these ops; returns how many."""
-    count = 0
-    for module in model.modules():
-        if isinstance(getattr(type(module), "ops", None), FusedOps):
-            setattr(module, "ops", ops)  # noqa: B010 (nn.Module's typed __setattr__)
-            count += 1
-    return count
-
-
 @torch.inference_mode()
 def compile_model(model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
     """Swap the model's elementwise ops for compiled ones and compile them now, with
@@ -140,7 +137,7 @@ def compile_model(model: nn.Module, kv_caches: list[torch.Tensor], block_size: i
     (zeroed again after), so that no request pays the compile."""
     start = time.perf_counter()
     ops = compiled_ops()
-    if _set_ops(model, _marking(ops)) == 0:
+    if set_ops(model, _marking(ops)) == 0:
         logger.info("compile: %s has no fused layers; it runs eager", type(model).__name__)
         return
     device = kv_caches[0].device
@@ -156,7 +153,7 @@ def compile_model(model: nn.Module, kv_caches: list[torch.Tensor], block_size: i
         with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
             model(ids, positions, kv_caches, meta)
     finally:
-        _set_ops(model, size_dispatched_ops())
+        set_ops(model, size_dispatched_ops())
         for cache in kv_caches:
             cache[:, :blocks].zero_()
     logger.info(

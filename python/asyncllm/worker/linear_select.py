@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm import _core
+from asyncllm.models.fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from asyncllm.models.linear_kernels import (
     BUCKETS,
     RUST_MAX_ROWS,
@@ -54,14 +55,24 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 2
 REPS = 7
+# Where the model's small decode steps run fused (which reads the checkpoint's
+# layout), oneDNN's reordered layout must beat it by this factor on the larger
+# buckets to be chosen: the fused step is worth more than a small GEMM gain.
+ONEDNN_MARGIN = 1.5
 
 
 def select_linear_kernels(
-    model: nn.Module, *, mode: str, batch_invariant: bool, num_threads: int
+    model: nn.Module,
+    *,
+    mode: str,
+    batch_invariant: bool,
+    num_threads: int,
+    prefer_plain: bool = False,
 ) -> dict[str, tuple[str, ...]]:
     """Replace every plain `nn.Linear` of `model` (and its LM head) by a
     `KernelLinear` on the kernels chosen for its shape; returns shape key ->
-    kernels per bucket, for the log and the benchmarks."""
+    kernels per bucket, for the log and the benchmarks. `prefer_plain`: the
+    model's decode steps can run fused (see `_onednn_wins`)."""
     first = next(model.parameters())
     if first.device.type != "cpu" or getattr(model, "tp", None) is not None:
         return {}
@@ -80,13 +91,15 @@ def select_linear_kernels(
         key = f"{weight.dtype}:{tuple(weight.shape)}:{'bias' if bias is not None else '-'}"
         if tied:
             key += ":tied"
+        if prefer_plain:
+            key += ":plain"
         if key not in chosen:
             if mode != "auto":
                 chosen[key] = _forced(mode, weight, tied)
             else:
                 found = cache.get(key)
                 if found is None:
-                    found = _measure(weight, bias, tied, num_threads)
+                    found = _measure(weight, bias, tied, num_threads, prefer_plain)
                     cache.put(key, found)
                 chosen[key] = found
         return chosen[key]
@@ -146,7 +159,11 @@ def _best_times(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
 
 
 def _measure(
-    weight: torch.Tensor, bias: torch.Tensor | None, tied: bool, num_threads: int
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tied: bool,
+    num_threads: int,
+    prefer_plain: bool = False,
 ) -> tuple[str, ...]:
     """The kernels per bucket for this weight, by timing each on it."""
     w = weight.detach()
@@ -173,10 +190,25 @@ def _measure(
             )
             if packed is not None:
                 onednn.append(t["onednn"])
-    plain_score = sum(t / b for (_, t), b in zip(plain, best, strict=True))
-    if onednn and sum(t / b for t, b in zip(onednn, best, strict=True)) < plain_score:
+    if onednn and _onednn_wins(plain, onednn, best, prefer_plain):
         return ("onednn",) * len(BUCKETS)
     return tuple(k for k, _ in plain)
+
+
+def _onednn_wins(
+    plain: list[tuple[str, float]], onednn: list[float], best: list[float], prefer_plain: bool
+) -> bool:
+    """Whether the reordered layout serves the buckets better than the checkpoint's.
+    With `prefer_plain` (the model's small decode steps can run fused, which needs
+    the checkpoint's layout: asyncllm.models.fused_decode) only when oneDNN is
+    faster by more than ONEDNN_MARGIN over the buckets the fused path leaves to the
+    layers; else by the sum over buckets of (time / best time)."""
+    if prefer_plain:
+        large = [i for i, rows in enumerate(BUCKETS) if rows > FUSED_MAX_ROWS]
+        plain_large = sum(plain[i][1] for i in large)
+        return plain_large > ONEDNN_MARGIN * sum(onednn[i] for i in large)
+    plain_score = sum(t / b for (_, t), b in zip(plain, best, strict=True))
+    return sum(t / b for t, b in zip(onednn, best, strict=True)) < plain_score
 
 
 def _cpu_key(num_threads: int) -> str:

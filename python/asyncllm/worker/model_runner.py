@@ -24,7 +24,9 @@ import torch
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.messages import Logprobs
+from asyncllm.models.fused_decode import FusedDecode, unsupported
 from asyncllm.models.loader import load_model
+from asyncllm.models.native_ops import use_native_ops
 from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
 from asyncllm.worker.in_flight import InFlightTokens
@@ -93,6 +95,7 @@ class ModelRunner:
             mode=config.linear_kernel,
             batch_invariant=config.batch_invariant,
             num_threads=torch.get_num_threads(),
+            prefer_plain=config.fused_decode and unsupported(self.model) is None,
         )
         # Phi-3's longrope rotates a whole sequence by its prompt's length.
         self._pass_prompt_lens = bool(getattr(self.model, "uses_prompt_lens", False))
@@ -108,6 +111,12 @@ class ModelRunner:
             from asyncllm.worker.compile import compile_model
 
             compile_model(self.model, self.kv_caches, config.block_size)
+        else:
+            use_native_ops(self.model)
+        if config.fused_decode and tp is None:
+            self.model.fused_decode = FusedDecode.build(
+                self.model, self.kv_caches, torch.get_num_threads()
+            )
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
         # Draws are keyed by (seed, output position), so a resumed request goes on
@@ -150,7 +159,12 @@ class ModelRunner:
         if so.is_empty:
             return None
         return gather_step_inputs(
-            self.input_batch, so, self.block_size, self.device, self._pass_prompt_lens
+            self.input_batch,
+            so,
+            self.block_size,
+            self.device,
+            self._pass_prompt_lens,
+            token_wise=self.config.batch_invariant,
         )
 
     def _request_masks(self, step: StepInputs) -> StepMasks | None:

@@ -48,8 +48,12 @@ def gather_step_inputs(
     block_size: int,
     device: torch.device,
     pass_prompt_lens: bool,
+    token_wise: bool = False,
 ) -> StepInputs:
-    """The inputs of a non-empty step whose requests `ib` already holds."""
+    """The inputs of a non-empty step whose requests `ib` already holds.
+    `token_wise` (batch-invariant mode): every prompt token attends as a decode of
+    its own, through the decode kernel, so its result is the same whatever chunk
+    or batch it comes in (`AttentionMetadata.token_wise`)."""
     req_ids = list(so.num_scheduled_tokens)
     n = len(req_ids)
     q = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=n)
@@ -73,6 +77,15 @@ def gather_step_inputs(
     max_nb = int((seq_lens.max() + bs - 1) // bs)
     tables = ib.block_table[rows, :max_nb]
     prompt_lens = ib.num_prompt_tokens[rows] if pass_prompt_lens else None
+    meta = build_attention_metadata(q, ctx, tables, slots, bs, device, prompt_lens)
+    if token_wise and total > n:
+        dec = int(np.count_nonzero(q == 1))  # decodes come first, one token each
+        seq_of_token = np.repeat(np.arange(n), q)[dec:]
+        token_tables = np.ascontiguousarray(tables[seq_of_token], dtype=np.int64)
+        meta.token_wise = (
+            torch.from_numpy(token_tables).to(device),
+            torch.from_numpy(pos[dec:] + 1).to(device),
+        )
     return StepInputs(
         req_ids=req_ids,
         rows=rows,
@@ -87,5 +100,5 @@ def gather_step_inputs(
         slots=slots,
         block_tables=tables,
         sampled=seq_lens == ib.num_tokens[rows],
-        attention=build_attention_metadata(q, ctx, tables, slots, bs, device, prompt_lens),
+        attention=meta,
     )

@@ -1,0 +1,183 @@
+"""A decode step's decoder layers in one call to the extension
+(`_core._DecodePlan`, rust/kernels/decode_layers.rs).
+
+Why: at one to a few rows a decode step is bound by reading the weights, but on
+the torch path each layer also runs ~20 small ops between its matrix-vector
+products, and every product streams megabytes through the caches, evicting the
+interpreter's and the dispatcher's working set: the ops that follow pay for it
+(on a Xeon VM an `x + x` of 512 floats took 1.7 µs in a loop, 80 µs right after a
+16 MB read). In one call the work between the products is a few microseconds.
+
+It serves Llama-shaped layers only (Llama, Mistral, Qwen2, SmolLM: pre-norm
+RMSNorm, fused q/k/v with optional bias, rotate-half rotary over the whole head,
+SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
+layout (a weight reordered for oneDNN cannot be read here), and steps whose rows
+are all decodes, at most `MAX_ROWS` of them. Anything else takes the torch path.
+
+The numbers are the torch path's: the kernel rounds to the model's dtype wherever
+the torch path holds a tensor, and runs the same matrix-vector and attention
+kernels; only exp (SiLU) and the square root (RMSNorm) are the Rust library's, not
+torch's vectorised ones, so a bfloat16 value now and then differs in its last bit
+(tests/test_fused_decode.py bounds it). A row's result does not depend on the rows
+beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm import _core
+from asyncllm.models.attention import AttentionMetadata
+from asyncllm.models.layers import EAGER_OPS, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from asyncllm.models.linear_kernels import KernelLinear, as_buffer
+from asyncllm.models.native_ops import NATIVE_OPS
+
+logger = logging.getLogger(__name__)
+
+# Decode rows a fused step takes. Beyond a few rows the matrix-vector kernel does
+# the FLOPs without a GEMM's blocking and the per-op cost matters less.
+MAX_ROWS = 8
+
+
+class FusedDecode:
+    """The model's layers as one `_DecodePlan`, for steps `applies` accepts."""
+
+    def __init__(
+        self,
+        plan: Any,
+        rotary: RotaryEmbedding,
+        kv_caches: list[torch.Tensor],
+        num_threads: int,
+    ) -> None:
+        self.plan = plan
+        self.rotary = rotary
+        self.kv_caches = kv_caches  # the runner's list: a step with another one is not ours
+        self.num_threads = num_threads
+
+    @classmethod
+    def build(
+        cls, model: Any, kv_caches: list[torch.Tensor], num_threads: int
+    ) -> FusedDecode | None:
+        """The plan for `model`, or None (logged) when it has a part the kernel
+        does not implement."""
+        reason = unsupported(model, kv_caches)
+        if reason is not None:
+            logger.info("fused decode off: %s", reason)
+            return None
+        attn = model.layers[0].self_attn
+        plan = _core._DecodePlan(
+            [_layer_buffers(layer, c) for layer, c in zip(model.layers, kv_caches, strict=True)],
+            model.hidden_size,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            model.layers[0].mlp.intermediate_size,
+            float(model.layers[0].input_layernorm.eps),
+            float(attn.scale),
+        )
+        return cls(plan, model.rotary_emb, kv_caches, num_threads)
+
+    def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        return (
+            meta.num_decodes == meta.num_tokens <= MAX_ROWS
+            and kv_caches is self.kv_caches
+            and meta.decode_block_tables is not None
+        )
+
+    def __call__(
+        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every layer over `hidden` [m, hidden] (the embeddings, updated in place)."""
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        cos_sin = self.rotary.cos_sin_cache.index_select(0, positions)
+        self.plan.run(
+            as_buffer(hidden),
+            as_buffer(cos_sin),
+            meta.slot_mapping.numpy(),
+            meta.decode_block_tables.numpy(),
+            meta.decode_seq_lens.numpy(),
+            self.num_threads,
+        )
+        return hidden
+
+
+def unsupported(model: Any, kv_caches: list[torch.Tensor] | None = None) -> str | None:
+    """Why the kernel cannot run `model`'s layers, or None when it can; without
+    `kv_caches`, whether it could once they are allocated (the runner asks before
+    choosing the layers' kernels)."""
+    from asyncllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or getattr(model, "tp", None) is not None:
+        return f"{type(model).__name__} (tensor-parallel or not a Llama-family model)"
+    cls = type(model)
+    if cls.forward is not LlamaForCausalLM.forward or cls.embed is not LlamaForCausalLM.embed:
+        return f"{cls.__name__} has its own forward or embedding"
+    if type(model.rotary_emb) is not RotaryEmbedding:
+        return f"{type(model.rotary_emb).__name__} rotary"
+    if not isinstance(model.embed_tokens, nn.Embedding):  # e.g. GGUF blocks (models/gguf)
+        return f"a {type(model.embed_tokens).__name__} embedding"
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"{weight.device.type} {weight.dtype}"
+    if kv_caches is not None and len(kv_caches) != len(model.layers):
+        return "a KV cache per layer"
+    for i, layer in enumerate(model.layers):
+        cache = None if kv_caches is None else kv_caches[i]
+        reason = _layer_unsupported(layer, cache, LlamaDecoderLayer, LlamaAttention)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _layer_unsupported(
+    layer: Any, cache: torch.Tensor | None, layer_cls: Any, attn_cls: Any
+) -> str | None:
+    if type(layer) is not layer_cls:
+        return f"{type(layer).__name__} layers"
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not attn_cls or type(mlp) is not SwiGLUMLP:
+        return f"{type(attn).__name__} / {type(mlp).__name__}"
+    if attn.q_norm is not None or attn.window is not None or attn.softcap is not None:
+        return "q/k norms, sliding windows or soft-capping"
+    if attn.rotary_dim != attn.head_dim:
+        return "partial rotary"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    ops = (EAGER_OPS, NATIVE_OPS)
+    if any(type(n) is not RMSNorm or n.ops not in ops for n in norms):
+        return "norms other than RMSNorm, or compiled ones"
+    if attn.ops not in ops or mlp.ops not in ops or norms[0].eps != norms[1].eps:
+        return "compiled layers"
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if isinstance(linear, KernelLinear):
+            if "onednn" in linear.kernels:
+                return "a projection reordered for oneDNN"
+        elif type(linear) is not nn.Linear:
+            return f"{type(linear).__name__} projections"
+    if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return "biases other than q/k/v's"
+    if cache is None:
+        return None
+    if cache.dim() != 5 or not cache.is_contiguous():
+        return "a KV cache of another layout"
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        return f"a {cache.dtype} KV cache"
+    return None
+
+
+def _layer_buffers(layer: Any, cache: torch.Tensor) -> tuple[Any, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    bias = attn.qkv_proj.bias
+    return (
+        as_buffer(layer.input_layernorm.weight.detach()),
+        as_buffer(attn.qkv_proj.weight.detach()),
+        None if bias is None else bias.detach().float().contiguous().numpy(),
+        as_buffer(attn.o_proj.weight.detach()),
+        as_buffer(layer.post_attention_layernorm.weight.detach()),
+        as_buffer(mlp.gate_up_proj.weight.detach()),
+        as_buffer(mlp.down_proj.weight.detach()),
+        as_buffer(cache),
+    )

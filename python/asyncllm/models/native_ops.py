@@ -1,0 +1,76 @@
+"""The elementwise work between a layer's matmuls on the extension's row-wise
+kernels (rust/kernels/elementwise.rs): RMSNorm, the residual add with the next
+norm and SiLU × up in one pass each, rows shared out over the kernel threads.
+
+Why: the torch path runs a bfloat16 RMSNorm as seven ops (each a pass over memory
+and a dispatch) and SiLU × up as three. The kernels compute in float32 and round
+where the torch path rounds, the same row functions the fused decode step runs
+(models/fused_decode.py); a row's result never depends on the rows beside it.
+The model runner gives these ops to the layers on CPU float32 and bfloat16 models
+(`use_native_ops`); rotary stays on torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from asyncllm import _core
+from asyncllm.models.layers import EAGER_OPS, FusedOps, apply_rotary, set_ops
+from asyncllm.models.linear_kernels import as_buffer
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype not in DTYPES or x.dtype != weight.dtype:
+        return EAGER_OPS.rms_norm(x, weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _core._rms_norm(as_buffer(out), as_buffer(x), as_buffer(weight), eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x); the sum is a new tensor, as on the
+    torch path (the caller's residual is not written)."""
+    if x.dtype not in DTYPES or not x.dtype == residual.dtype == weight.dtype:
+        return EAGER_OPS.add_rms_norm(x, residual, weight, eps)
+    summed = residual.contiguous().clone()
+    out = torch.empty_like(summed)
+    _core._add_rms_norm(
+        as_buffer(out),
+        as_buffer(summed),
+        as_buffer(x.contiguous()),
+        as_buffer(weight),
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dtype not in DTYPES:
+        return EAGER_OPS.silu_mul(gate_up)
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    _core._silu_mul(
+        as_buffer(out.view(-1, out.shape[-1])), as_buffer(gate_up), torch.get_num_threads()
+    )
+    return out
+
+
+NATIVE_OPS = FusedOps(
+    rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_mul=silu_mul, rotary=apply_rotary
+)
+
+
+def use_native_ops(model: nn.Module) -> int:
+    """Give the layers of a CPU float32 / bfloat16 model the native ops (those
+    still on the eager ones); returns how many modules took them."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES:
+        return 0
+    return set_ops(model, NATIVE_OPS, only_replacing=EAGER_OPS)

@@ -1,0 +1,334 @@
+//! Python binding of the fused decode step (`crate::kernels::decode_layers`): a
+//! `_DecodePlan` holds the buffers of every layer's weights and KV cache (made
+//! once, when the model loads), and `run` takes a step's few small arrays.
+//! Weights and caches are float32, or bfloat16 passed as int16 bits.
+
+use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::kernels::{byte_range, data_ptr};
+use crate::error::Error;
+use crate::kernels::{decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, KvElem, LayerWeights};
+
+/// A C-contiguous buffer of float32 or of bfloat16 bits (int16), any shape.
+pub(super) enum Buf {
+    F32(PyBuffer<f32>),
+    Bf16(PyBuffer<i16>),
+}
+
+impl Buf {
+    pub(super) fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let raw = PyUntypedBuffer::get(obj).map_err(|_| {
+            PyValueError::new_err(format!("{name} must support the buffer protocol"))
+        })?;
+        let format = raw.format().to_bytes();
+        let buf = match format.strip_prefix(b"=").unwrap_or(format) {
+            b"f" => raw.into_typed::<f32>().map(Buf::F32),
+            b"h" => raw.into_typed::<i16>().map(Buf::Bf16),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "{name} must hold float32 or bfloat16 bits (int16)"
+                )))
+            }
+        }
+        .map_err(|_| PyValueError::new_err(format!("{name}: unreadable buffer")))?;
+        if !buf.contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be C-contiguous"
+            )));
+        }
+        Ok(buf)
+    }
+
+    pub(super) fn contiguous(&self) -> bool {
+        match self {
+            Buf::F32(b) => b.is_c_contiguous(),
+            Buf::Bf16(b) => b.is_c_contiguous(),
+        }
+    }
+
+    pub(super) fn readonly(&self) -> bool {
+        match self {
+            Buf::F32(b) => b.readonly(),
+            Buf::Bf16(b) => b.readonly(),
+        }
+    }
+
+    pub(super) fn is_bf16(&self) -> bool {
+        matches!(self, Buf::Bf16(_))
+    }
+
+    pub(super) fn shape(&self) -> &[usize] {
+        match self {
+            Buf::F32(b) => b.shape(),
+            Buf::Bf16(b) => b.shape(),
+        }
+    }
+
+    pub(super) fn bytes(&self) -> (usize, usize) {
+        match self {
+            Buf::F32(b) => byte_range(b),
+            Buf::Bf16(b) => byte_range(b),
+        }
+    }
+
+    /// The elements as `E` (f32 for float32, u16 for bf16 bits).
+    ///
+    /// # Safety
+    /// `E` matches the variant (f32 for `F32`, u16 for `Bf16`), and nothing
+    /// writes the buffer while the slice lives.
+    pub(super) unsafe fn slice<E>(&self) -> &[E] {
+        let (ptr, len) = match self {
+            Buf::F32(b) => (data_ptr(b).cast::<E>(), b.item_count()),
+            Buf::Bf16(b) => (data_ptr(b).cast::<E>(), b.item_count()),
+        };
+        // SAFETY: a C-contiguous buffer (checked in `get`), aligned (pyo3) and
+        // non-null (`data_ptr`), valid for `len` reads while `self` holds the
+        // export; the element type and the absence of writers: the caller's.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+
+    pub(super) fn ptr_mut<E>(&self) -> *mut E {
+        match self {
+            Buf::F32(b) => data_ptr(b).cast(),
+            Buf::Bf16(b) => data_ptr(b).cast(),
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Buf::F32(b) => b.item_count(),
+            Buf::Bf16(b) => b.item_count(),
+        }
+    }
+}
+
+struct Layer {
+    input_norm: Buf,
+    qkv: Buf,
+    qkv_bias: Option<PyBuffer<f32>>,
+    o: Buf,
+    post_norm: Buf,
+    gate_up: Buf,
+    down: Buf,
+    cache: Buf,
+}
+
+/// Every layer's weights and KV cache for `run`, held for the model's lifetime.
+///
+/// The promise the GIL cannot keep once `run` releases it, kept by the one
+/// caller (`asyncllm.models.fused_decode`): the runner's thread is the only one
+/// that runs the model, so while `run` works nothing else writes the weights
+/// (which nothing writes after loading at all) or the caches.
+#[pyclass(name = "_DecodePlan", module = "asyncllm._core", frozen)]
+pub struct DecodePlan {
+    dims: DecodeDims,
+    bf16: bool,
+    cache_bf16: bool,
+    layers: Vec<Layer>,
+}
+
+#[pymethods]
+impl DecodePlan {
+    /// `layers`: per layer (input_norm, qkv, qkv_bias or None, o, post_norm,
+    /// gate_up, down, kv_cache), weights in the model's dtype, the bias float32,
+    /// the cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    #[new]
+    #[allow(clippy::too_many_arguments)] // the model's sizes, all distinct
+    fn new(
+        layers: Vec<Bound<'_, PyTuple>>,
+        hidden: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        intermediate: usize,
+        eps: f32,
+        scale: f32,
+    ) -> PyResult<Self> {
+        let dims = DecodeDims {
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate,
+            eps,
+            scale,
+        };
+        let layers = layers.iter().map(layer).collect::<PyResult<Vec<_>>>()?;
+        let Some(first) = layers.first() else {
+            return Err(PyValueError::new_err("layers must not be empty"));
+        };
+        let (bf16, cache_bf16) = (first.qkv.is_bf16(), first.cache.is_bf16());
+        for (i, l) in layers.iter().enumerate() {
+            let weights = [
+                &l.input_norm,
+                &l.qkv,
+                &l.o,
+                &l.post_norm,
+                &l.gate_up,
+                &l.down,
+            ];
+            if weights.iter().any(|w| w.is_bf16() != bf16) || l.cache.is_bf16() != cache_bf16 {
+                return Err(PyValueError::new_err(format!(
+                    "layer {i}: the weights must share one dtype, and the caches one"
+                )));
+            }
+            let cs = l.cache.shape();
+            if cs.len() != 5 || cs[0] != 2 || cs[3] != num_kv_heads || cs[4] != head_dim {
+                return Err(PyValueError::new_err(format!(
+                    "layer {i}: kv_cache must be [2, blocks, block_size, {num_kv_heads}, \
+                     {head_dim}], got {cs:?}"
+                )));
+            }
+        }
+        Ok(DecodePlan {
+            dims,
+            bf16,
+            cache_bf16,
+            layers,
+        })
+    }
+
+    /// Runs every layer over `hidden` `[m, hidden]` (updated in place) for `m`
+    /// decode rows: `cos_sin` `[m, 2, head_dim / 2]` in the model's dtype, `slots`
+    /// `[m]`, `block_tables` `[m, n]` and `seq_lens` `[m]` int64. Raises
+    /// `ValueError`, writing nothing, on any shape or range problem.
+    #[allow(clippy::too_many_arguments)] // the step's operands, all distinct
+    fn run(
+        &self,
+        py: Python<'_>,
+        hidden: &Bound<'_, PyAny>,
+        cos_sin: &Bound<'_, PyAny>,
+        slots: PyBuffer<i64>,
+        block_tables: PyBuffer<i64>,
+        seq_lens: PyBuffer<i64>,
+        num_threads: usize,
+    ) -> PyResult<()> {
+        let (hidden, cos_sin) = (Buf::get(hidden, "hidden")?, Buf::get(cos_sin, "cos_sin")?);
+        if hidden.is_bf16() != self.bf16 || cos_sin.is_bf16() != self.bf16 {
+            return Err(PyValueError::new_err(
+                "hidden and cos_sin must have the model's dtype",
+            ));
+        }
+        if matches!(&hidden, Buf::F32(b) if b.readonly())
+            || matches!(&hidden, Buf::Bf16(b) if b.readonly())
+        {
+            return Err(PyValueError::new_err("hidden must be writable"));
+        }
+        let h = hidden.bytes();
+        for l in &self.layers {
+            let c = l.cache.bytes();
+            if c.0 < h.1 && h.0 < c.1 {
+                return Err(PyValueError::new_err("hidden must not overlap a kv_cache"));
+            }
+        }
+        let ints = (
+            slots.to_vec(py)?,
+            block_tables.to_vec(py)?,
+            seq_lens.to_vec(py)?,
+        );
+        match (self.bf16, self.cache_bf16) {
+            (false, false) => self.call::<f32, f32>(py, &hidden, &cos_sin, &ints, num_threads),
+            (false, true) => self.call::<f32, u16>(py, &hidden, &cos_sin, &ints, num_threads),
+            (true, false) => self.call::<u16, f32>(py, &hidden, &cos_sin, &ints, num_threads),
+            (true, true) => self.call::<u16, u16>(py, &hidden, &cos_sin, &ints, num_threads),
+        }
+    }
+}
+
+type Ints = (Vec<i64>, Vec<i64>, Vec<i64>);
+
+impl DecodePlan {
+    fn call<E: Elem, C: Elem + KvElem>(
+        &self,
+        py: Python<'_>,
+        hidden: &Buf,
+        cos_sin: &Buf,
+        (slots, tables, lens): &Ints,
+        num_threads: usize,
+    ) -> PyResult<()> {
+        // SAFETY (the weight and cos_sin slices): `E` and `C` match the buffers'
+        // variants (`run` dispatched on the dtypes `new` and `run` checked); the
+        // weights are written by no one while the model runs (the contract on
+        // `DecodePlan`), cos_sin is the caller's fresh tensor.
+        let mut layers: Vec<(LayerWeights<'_, E>, CacheMut<C>)> = Vec::new();
+        for l in &self.layers {
+            let cs = l.cache.shape();
+            // SAFETY: the cache buffer is C-contiguous, aligned and non-null
+            // (`Buf::get`, `data_ptr`), valid for reads and writes of `len`
+            // elements while the plan holds its export; only this call touches
+            // it meanwhile (the contract on `DecodePlan`), and `hidden`, the
+            // one other buffer written, was checked not to overlap it.
+            let cache =
+                unsafe { CacheMut::from_raw(l.cache.ptr_mut(), l.cache.len(), cs[1], cs[2]) };
+            let weights = unsafe {
+                LayerWeights {
+                    input_norm: l.input_norm.slice(),
+                    qkv: l.qkv.slice(),
+                    qkv_bias: l.qkv_bias.as_ref().map(|b| {
+                        std::slice::from_raw_parts(data_ptr(b).cast_const(), b.item_count())
+                    }),
+                    o: l.o.slice(),
+                    post_norm: l.post_norm.slice(),
+                    gate_up: l.gate_up.slice(),
+                    down: l.down.slice(),
+                }
+            };
+            layers.push((weights, cache));
+        }
+        let step = unsafe {
+            DecodeStep {
+                cos_sin: cos_sin.slice(),
+                slots,
+                block_tables: tables,
+                seq_lens: lens,
+            }
+        };
+        // SAFETY: `hidden` is C-contiguous, aligned, non-null, writable (checked
+        // in `run`) and valid for its elements while the export is held (this
+        // call); it overlaps no cache (checked) and no weight (a fresh tensor of
+        // the caller's, shared with no other thread).
+        let out = unsafe { std::slice::from_raw_parts_mut(hidden.ptr_mut::<E>(), hidden.len()) };
+        py.detach(|| decode_layers(&self.dims, &mut layers, &step, out, num_threads))
+            .map_err(|e| Error::from(e).into())
+    }
+}
+
+fn layer(t: &Bound<'_, PyTuple>) -> PyResult<Layer> {
+    if t.len() != 8 {
+        return Err(PyValueError::new_err(
+            "a layer is (input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, kv_cache)",
+        ));
+    }
+    let item = |i: usize, name: &str| Buf::get(&t.get_item(i)?, name);
+    let bias = t.get_item(2)?;
+    Ok(Layer {
+        input_norm: item(0, "input_norm")?,
+        qkv: item(1, "qkv")?,
+        qkv_bias: if bias.is_none() {
+            None
+        } else {
+            Some(typed_f32(&bias)?)
+        },
+        o: item(3, "o")?,
+        post_norm: item(4, "post_norm")?,
+        gate_up: item(5, "gate_up")?,
+        down: item(6, "down")?,
+        cache: item(7, "kv_cache")?,
+    })
+}
+
+fn typed_f32(obj: &Bound<'_, PyAny>) -> PyResult<PyBuffer<f32>> {
+    let buf = PyBuffer::<f32>::get(obj)
+        .map_err(|_| PyValueError::new_err("qkv_bias must be a float32 buffer"))?;
+    if !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err("qkv_bias must be C-contiguous"));
+    }
+    Ok(buf)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<DecodePlan>()
+}

@@ -1,0 +1,221 @@
+//! Python binding of the row-wise elementwise kernels (`crate::kernels::elementwise`):
+//! float32, or bfloat16 passed as int16 bits; inputs read in place, the output
+//! (and the residual, updated in place) written with the GIL released.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::decode_layers::Buf;
+use crate::error::Error;
+use crate::kernels::{self, KernelError};
+
+/// The buffers of one call, checked: one dtype for all, `written` writable and
+/// apart from every other.
+fn buffers<const N: usize>(
+    objs: [(&Bound<'_, PyAny>, &str); N],
+    written: &[usize],
+) -> PyResult<[Buf; N]> {
+    let bufs: Vec<Buf> = objs
+        .iter()
+        .map(|(o, n)| Buf::get(o, n))
+        .collect::<PyResult<_>>()?;
+    if bufs.iter().any(|b| b.is_bf16() != bufs[0].is_bf16()) {
+        return Err(PyValueError::new_err(
+            "every buffer must share one dtype: float32, or bfloat16 bits (int16)",
+        ));
+    }
+    for &w in written {
+        if bufs[w].readonly() {
+            return Err(PyValueError::new_err(format!(
+                "{} must be writable",
+                objs[w].1
+            )));
+        }
+        let (a, b) = bufs[w].bytes();
+        for (i, other) in bufs.iter().enumerate() {
+            let (c, d) = other.bytes();
+            if i != w && a < d && c < b {
+                return Err(PyValueError::new_err(format!(
+                    "{} must not overlap {}",
+                    objs[w].1, objs[i].1
+                )));
+            }
+        }
+    }
+    Ok(bufs
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("N buffers from N objects")))
+}
+
+/// Runs `f` on the buffers as f32 or bf16 slices (inputs) and mutable slices
+/// (the `written` ones), with the GIL released.
+///
+/// SAFETY of the slices (for every caller): each buffer is C-contiguous, aligned,
+/// non-null and valid while its export is held (this call); the written ones are
+/// writable and overlap no other (checked by `buffers`); the sole caller
+/// (`asyncllm.models.native_ops`) passes tensors no other thread touches during
+/// the step, the outputs fresh ones.
+fn run2<F32, B16>(
+    py: Python<'_>,
+    input: &Buf,
+    output: &Buf,
+    f32_fn: F32,
+    bf16_fn: B16,
+) -> PyResult<()>
+where
+    F32: FnOnce(&[f32], &mut [f32]) -> Result<(), KernelError> + Send,
+    B16: FnOnce(&[u16], &mut [u16]) -> Result<(), KernelError> + Send,
+{
+    let result = if input.is_bf16() {
+        // SAFETY: see above; bf16 buffers are int16, read as u16 (same size and bits).
+        let (i, o) = unsafe { (input.slice::<u16>(), slice_mut::<u16>(output)) };
+        py.detach(|| bf16_fn(i, o))
+    } else {
+        // SAFETY: see above.
+        let (i, o) = unsafe { (input.slice::<f32>(), slice_mut::<f32>(output)) };
+        py.detach(|| f32_fn(i, o))
+    };
+    result.map_err(|e| Error::from(e).into())
+}
+
+/// # Safety
+/// As `run2`'s: `E` matches the buffer's dtype, and nothing else reads or writes
+/// it while the slice lives.
+// The memory is the exporter's, not the `Buf`'s: the handle is only borrowed to
+// reach it; exclusivity is the caller's promise above.
+#[allow(clippy::mut_from_ref)]
+unsafe fn slice_mut<E>(buf: &Buf) -> &mut [E] {
+    // SAFETY: the caller's.
+    unsafe { std::slice::from_raw_parts_mut(buf.ptr_mut::<E>(), buf.len()) }
+}
+
+/// `out = rms_norm(x) * weight`, row by row (rows of `len(weight)`).
+#[pyfunction(name = "_rms_norm")]
+fn rms_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [out, x, weight] = buffers([(out, "out"), (x, "x"), (weight, "weight")], &[0])?;
+    run_with_weight(
+        py,
+        &x,
+        &weight,
+        &out,
+        |x, w, o| kernels::rms_norm(x, w, eps, o, num_threads),
+        |x, w, o| kernels::rms_norm(x, w, eps, o, num_threads),
+    )
+}
+
+/// `residual += x`, then `out = rms_norm(residual) * weight`, row by row.
+#[pyfunction(name = "_add_rms_norm")]
+fn add_rms_norm(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [out, res, x, weight] = buffers(
+        [
+            (out, "out"),
+            (residual, "residual"),
+            (x, "x"),
+            (weight, "weight"),
+        ],
+        &[0, 1],
+    )?;
+    let result = if x.is_bf16() {
+        // SAFETY: as `run2`'s.
+        let (o, r, x, w) = unsafe {
+            (
+                slice_mut::<u16>(&out),
+                slice_mut::<u16>(&res),
+                x.slice::<u16>(),
+                weight.slice::<u16>(),
+            )
+        };
+        py.detach(|| kernels::add_rms_norm(x, r, w, eps, o, num_threads))
+    } else {
+        // SAFETY: as `run2`'s.
+        let (o, r, x, w) = unsafe {
+            (
+                slice_mut::<f32>(&out),
+                slice_mut::<f32>(&res),
+                x.slice::<f32>(),
+                weight.slice::<f32>(),
+            )
+        };
+        py.detach(|| kernels::add_rms_norm(x, r, w, eps, o, num_threads))
+    };
+    result.map_err(|e| Error::from(e).into())
+}
+
+/// `out = silu(gate) * up` from the fused gate/up rows `[rows, 2 * inter]`.
+#[pyfunction(name = "_silu_mul")]
+fn silu_mul(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    gate_up: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [out, gu] = buffers([(out, "out"), (gate_up, "gate_up")], &[0])?;
+    let inter = match out.shape().last() {
+        Some(&n) if n > 0 => n,
+        _ => return Err(PyValueError::new_err("out must have a last dimension")),
+    };
+    run2(
+        py,
+        &gu,
+        &out,
+        |g, o| kernels::silu_mul(g, o, inter, num_threads),
+        |g, o| kernels::silu_mul(g, o, inter, num_threads),
+    )
+}
+
+fn run_with_weight<F32, B16>(
+    py: Python<'_>,
+    x: &Buf,
+    weight: &Buf,
+    out: &Buf,
+    f32_fn: F32,
+    bf16_fn: B16,
+) -> PyResult<()>
+where
+    F32: FnOnce(&[f32], &[f32], &mut [f32]) -> Result<(), KernelError> + Send,
+    B16: FnOnce(&[u16], &[u16], &mut [u16]) -> Result<(), KernelError> + Send,
+{
+    let result = if x.is_bf16() {
+        // SAFETY: as `run2`'s.
+        let (x, w, o) = unsafe {
+            (
+                x.slice::<u16>(),
+                weight.slice::<u16>(),
+                slice_mut::<u16>(out),
+            )
+        };
+        py.detach(|| bf16_fn(x, w, o))
+    } else {
+        // SAFETY: as `run2`'s.
+        let (x, w, o) = unsafe {
+            (
+                x.slice::<f32>(),
+                weight.slice::<f32>(),
+                slice_mut::<f32>(out),
+            )
+        };
+        py.detach(|| f32_fn(x, w, o))
+    };
+    result.map_err(|e| Error::from(e).into())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_mul, m)?)
+}

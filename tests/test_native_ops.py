@@ -1,0 +1,66 @@
+"""The extension's row-wise elementwise ops (models/native_ops.py): the eager ops'
+results in float32 and bfloat16 (bf16 within a unit in the last place: exp and the
+square root are Rust's), a row's bits independent of the rows beside it and of the
+thread count, the eager ops for other dtypes, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm import _core
+from asyncllm.models import native_ops
+from asyncllm.models.layers import EAGER_OPS
+from asyncllm.models.linear_kernels import as_buffer
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_native_ops_give_the_eager_ops_results(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    res = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    gate_up = torch.randn(rows, 2 * 80, generator=g).to(dtype)
+    torch.testing.assert_close(
+        native_ops.rms_norm(x, w, 1e-6), EAGER_OPS.rms_norm(x, w, 1e-6), **TOL[dtype]
+    )
+    res_before = res.clone()
+    got, want = native_ops.add_rms_norm(x, res, w, 1e-6), EAGER_OPS.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(res, res_before)  # the caller's residual is not written
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the sum rounds alike
+    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
+    torch.testing.assert_close(
+        native_ops.silu_mul(gate_up), EAGER_OPS.silu_mul(gate_up), **TOL[dtype]
+    )
+
+
+def test_a_rows_bits_do_not_depend_on_its_neighbours_or_the_threads() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, generator=g).to(torch.bfloat16)
+    batch = native_ops.rms_norm(x, w, 1e-5)
+    for threads in (1, 2):
+        out = torch.empty(1, 64, dtype=torch.bfloat16)
+        _core._rms_norm(as_buffer(out), as_buffer(x[137:138].clone()), as_buffer(w), 1e-5, threads)
+        assert torch.equal(out[0], batch[137])
+
+
+def test_other_dtypes_take_the_eager_ops() -> None:
+    x = torch.randn(3, 16, dtype=torch.float16)
+    w = torch.ones(16, dtype=torch.float16)
+    assert torch.equal(native_ops.rms_norm(x, w, 1e-6), EAGER_OPS.rms_norm(x, w, 1e-6))
+
+
+def test_bad_buffers_raise_and_write_nothing() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8)
+    out = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="whole rows"):
+        _core._rms_norm(as_buffer(out), as_buffer(x), as_buffer(torch.randn(5)), 1e-6, 1)
+    with pytest.raises(ValueError, match="one dtype"):
+        _core._rms_norm(as_buffer(out), as_buffer(x), as_buffer(w.bfloat16()), 1e-6, 1)
+    with pytest.raises(ValueError, match="overlap"):
+        _core._rms_norm(as_buffer(x), as_buffer(x), as_buffer(w), 1e-6, 1)
+    assert not out.any()
