@@ -14,6 +14,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.gguf_files import prepare_gguf, read_manifest
+from asyncllm.models.fused_decode import unsupported
 from asyncllm.models.gguf.layers import GGUFEmbedding, GGUFLinear
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.loader import load_model
@@ -46,6 +47,8 @@ def test_config_and_layers_from_the_file(smollm2_gguf: Path) -> None:
     held = sum(b.numel() * b.element_size() for b in model.buffers() if b.dtype == torch.uint8)
     held += sum(p.numel() * p.element_size() for p in model.parameters())
     assert held < 1.05 * smollm2_gguf.stat().st_size  # blocks, not float weights
+    # the fused float decode step reads float weights: it declines, by name
+    assert unsupported(model) == "a GGUFEmbedding embedding"
 
 
 def test_greedy_chat_equals_transformers(smollm2_gguf: Path, reference: dict) -> None:
