@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -17,6 +18,27 @@ def tokenizer_dir(name: str) -> Path:
     path = TOKENIZERS_DIR / name
     if not (path / "tokenizer.json").is_file():
         pytest.skip(f"tokenizer assets not found at {path} (set ASYNCLLM_ASSETS)")
+    return path
+
+
+def _fetch_script():
+    script = REPO_ROOT / "tools" / "fetch_smollm2.py"
+    spec = importlib.util.spec_from_file_location("fetch_smollm2", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (a real trained model) as `tools/fetch_smollm2.py`
+    puts it in the cache (CI runs the script first), or skip. Only the size is
+    checked here: the script checked the digest when it put the file there."""
+    fetch = _fetch_script()
+    path = fetch.target_path()
+    if not path.is_file() or path.stat().st_size != fetch.SIZE:
+        pytest.skip(f"SmolLM2 GGUF not found at {path} (run tools/fetch_smollm2.py)")
     return path
 
 

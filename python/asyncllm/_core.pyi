@@ -539,6 +539,19 @@ def _linear(out: _Buffer, x: _Buffer, w: _Buffer, bias: _Buffer | None, num_thre
     dtype, shape or layout, before anything is written. Private: the one caller
     (asyncllm.models.linear_kernels) promises no thread writes w or out meanwhile."""
 
+def _gguf_dequantize(qtype_name: str, raw: _Buffer, out: _Buffer) -> None:
+    """out[rows, k] = the GGUF blocks raw[rows, row_bytes] (uint8) of type
+    `qtype_name` ("Q4_0", "Q4_K", "F16", ...) dequantized to float32, equal to
+    gguf-py's `dequantize` bit for bit (rust/kernels/gguf.rs). Raises ValueError
+    on an unknown type or a shape that is not whole blocks, before writing."""
+
+def _gguf_linear(qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int) -> None:
+    """out[m, n] = x[m, k] . dequantize(w)[n, k]^T for GGUF blocks w [n, row_bytes]
+    (uint8): each weight row decoded once into a cache-resident buffer and dotted
+    with every row of x (float32, as out). Raises ValueError on a wrong type or
+    shape, before writing. Private: the one caller (asyncllm.models.gguf.layers)
+    promises no thread writes w or out meanwhile."""
+
 def _linear_isa() -> str:
     """The variant `_linear` runs on this CPU: "portable", "avx2" or "avx512", within
     the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx512", "avx2", "portable")."""

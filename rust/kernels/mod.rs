@@ -9,6 +9,8 @@
 mod bf16;
 mod decode_layers;
 mod elementwise;
+mod gguf;
+mod gguf_linear;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_dpbf16;
@@ -20,11 +22,15 @@ pub(crate) mod team;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_gguf;
+#[cfg(test)]
 mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
 pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
 pub use elementwise::{add_rms_norm, rms_norm};
+pub use gguf::{dequantize as gguf_dequantize, GgufType};
+pub use gguf_linear::gguf_linear;
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,

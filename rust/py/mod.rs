@@ -6,6 +6,7 @@ mod decode_layers;
 mod detok;
 mod elementwise;
 mod errors;
+mod gguf;
 mod kernels;
 mod linear;
 mod mask_job;
@@ -33,6 +34,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(native_version, m)?)?;
     m.add_function(wrap_pyfunction!(wire_version, m)?)?;
     errors::register(m)?;
+    gguf::register(m)?;
     codec::register(m)?;
     decode_layers::register(m)?;
     detok::register(m)?;

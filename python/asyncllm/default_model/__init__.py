@@ -24,7 +24,12 @@ def default_model_path() -> Path:
 
 def resolve_model(model: str) -> str:
     """The directory a model argument means: the built-in model for its name (unless a
-    directory of that name exists), else the argument itself."""
+    directory of that name exists); for a GGUF file (or a folder of one), the folder
+    prepared from its metadata (`asyncllm.gguf_files`); else the argument itself."""
+    from asyncllm.gguf_files import names_gguf, prepare_gguf
+
+    if names_gguf(model):
+        return str(prepare_gguf(model))
     if model != DEFAULT_MODEL or Path(model).is_dir():
         return model
     logger.info("model %r: asyncllm's built-in default model, at %s", DEFAULT_MODEL, _DIRECTORY)

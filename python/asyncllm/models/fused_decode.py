@@ -118,6 +118,8 @@ def unsupported(model: Any, kv_caches: list[torch.Tensor] | None = None) -> str 
         return f"{cls.__name__} has its own forward or embedding"
     if type(model.rotary_emb) is not RotaryEmbedding:
         return f"{type(model.rotary_emb).__name__} rotary"
+    if not isinstance(model.embed_tokens, nn.Embedding):  # e.g. GGUF blocks (models/gguf)
+        return f"a {type(model.embed_tokens).__name__} embedding"
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return f"{weight.device.type} {weight.dtype}"

@@ -7,10 +7,8 @@ loading costs one read of the weights and nothing else.
 
 from __future__ import annotations
 
-import importlib
 import json
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,49 +16,10 @@ import torch
 from safetensors import safe_open
 
 from asyncllm.errors import ModelLoadError
+from asyncllm.gguf_files import is_prepared
+from asyncllm.models.construct import get_model_class, uninitialised
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.parallel_layers import Shard, weight_shards
-from asyncllm.models.registry import model_location
-
-_INIT_FUNCTIONS = (
-    "uniform_",
-    "normal_",
-    "kaiming_uniform_",
-    "kaiming_normal_",
-    "xavier_uniform_",
-    "xavier_normal_",
-    "trunc_normal_",
-    "zeros_",
-    "ones_",
-    "constant_",
-)
-
-
-def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
-    """The class that serves `hf_config`, or ModelLoadError naming what is supported."""
-    module, name = model_location(hf_config)
-    return getattr(importlib.import_module(f"asyncllm.models.{module}"), name)  # type: ignore[no-any-return]
-
-
-@contextmanager
-def _uninitialised(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
-    """Build modules straight on `device` in `dtype` with their parameters left
-    uninitialised, since the checkpoint overwrites every one of them. (The meta
-    device would do the same, but its first use imports torch's compiler stack,
-    which costs seconds of start-up.)"""
-    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
-    old_dtype = torch.get_default_dtype()
-    try:
-        for name in _INIT_FUNCTIONS:
-            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(old_dtype)
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
-
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,9 +33,13 @@ def load_model(
     Raises ModelLoadError naming the missing weight file or tensor.
     """
     path = Path(model_dir)
+    if is_prepared(path):  # a GGUF model: its weights stay in their blocks
+        from asyncllm.models.gguf.loader import load_gguf_model
+
+        return load_gguf_model(path, hf_config, dtype, device)
     model_cls = get_model_class(hf_config)
     locations = _tensor_locations(path)
-    with _uninitialised(dtype, device):
+    with uninitialised(dtype, device):
         model = model_cls(hf_config)
     sources: dict[str, list[str]] = model.weight_sources()  # type: ignore[operator]
     params = dict(model.named_parameters())

@@ -1,0 +1,108 @@
+//! Python binding of the GGUF block kernels (`crate::kernels::gguf`): the blocks
+//! come in as a uint8 buffer read in place, `x` (a step's few rows) is copied,
+//! and the kernel runs with the GIL released.
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::kernels::{buffer, byte_range, data_ptr};
+use crate::error::Error;
+use crate::kernels::{self, GgufType};
+
+fn qtype(name: &str) -> PyResult<GgufType> {
+    GgufType::from_name(name).map_err(|e| Error::from(e).into())
+}
+
+/// The bytes of a uint8 [rows, row_bytes] buffer, borrowed for the call.
+///
+/// SAFETY (for the caller): the slice lives as long as `buf` is held, and the
+/// caller must keep anything from writing the buffer meanwhile.
+unsafe fn bytes(buf: &PyBuffer<u8>) -> &[u8] {
+    // SAFETY: `buf` is C-contiguous (checked by `buffer`), non-null (`data_ptr`)
+    // and valid for reads of `item_count` bytes while held; the caller keeps
+    // writers away (see above).
+    unsafe { std::slice::from_raw_parts(data_ptr(buf), buf.item_count()) }
+}
+
+/// Checks that the float32 output is writable and does not overlap `w`.
+fn check_out(out: &PyBuffer<f32>, w: &PyBuffer<u8>) -> PyResult<()> {
+    if out.readonly() {
+        return Err(PyValueError::new_err("out must be writable"));
+    }
+    let (o, wr) = (byte_range(out), byte_range(w));
+    if o.0 < wr.1 && wr.0 < o.1 {
+        return Err(PyValueError::new_err("out must not overlap the blocks"));
+    }
+    Ok(())
+}
+
+/// The output as a slice.
+///
+/// SAFETY (for the caller): `check_out` passed; the buffer is one the caller has
+/// just allocated and shares with no other thread. Then: it is C-contiguous
+/// (`buffer` checked), aligned for f32 (pyo3 checked), writable, valid for
+/// `item_count` elements while held, and overlaps no operand (the blocks were
+/// checked, the rest are copies).
+macro_rules! out_slice {
+    ($out:expr) => {
+        std::slice::from_raw_parts_mut(data_ptr(&$out), $out.item_count())
+    };
+}
+
+/// `out[rows, k] = dequantize(raw[rows, row_bytes])` for GGUF type `qtype`
+/// ("Q4_K", ...), equal to gguf-py's `dequantize` bit for bit. Private: its one
+/// caller (`asyncllm.models.gguf.dequant`) passes a tensor it has just allocated.
+#[pyfunction(name = "_gguf_dequantize")]
+fn gguf_dequantize(
+    py: Python<'_>,
+    qtype_name: &str,
+    raw: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let t = qtype(qtype_name)?;
+    let raw = buffer::<u8>(raw, "raw", "uint8", 2)?;
+    let out = buffer::<f32>(out, "out", "float32", 2)?;
+    let k = out.shape()[1];
+    check_out(&out, &raw)?;
+    // SAFETY: see `out_slice!`; the sole caller passes a tensor it has just allocated.
+    let out = unsafe { out_slice!(out) };
+    // SAFETY: the blocks are a model buffer no thread writes during inference.
+    let raw = unsafe { bytes(&raw) };
+    py.detach(|| kernels::gguf_dequantize(t, k, raw, out))
+        .map_err(|e| Error::from(e).into())
+}
+
+/// `out[m, n] = x[m, k] · dequantize(w)ᵀ` for `w` uint8 [n, row_bytes] blocks of
+/// `qtype`: each weight row decoded once per call into a cache-resident buffer.
+/// Private: its one caller (`asyncllm.models.gguf.layers`) passes a tensor it
+/// has just allocated as `out`, and blocks that no thread writes.
+#[pyfunction(name = "_gguf_linear")]
+#[pyo3(signature = (qtype_name, out, x, w, num_threads))]
+fn gguf_linear(
+    py: Python<'_>,
+    qtype_name: &str,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    w: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let t = qtype(qtype_name)?;
+    let x = buffer::<f32>(x, "x", "float32", 2)?;
+    let (m, k) = (x.shape()[0], x.shape()[1]);
+    let x = x.to_vec(py)?;
+    let w = buffer::<u8>(w, "w", "uint8", 2)?;
+    let out = buffer::<f32>(out, "out", "float32", 2)?;
+    check_out(&out, &w)?;
+    // SAFETY: see `out_slice!`; the sole caller passes a tensor it has just allocated.
+    let out = unsafe { out_slice!(out) };
+    // SAFETY: the blocks are a model weight no thread writes during inference.
+    let w = unsafe { bytes(&w) };
+    py.detach(|| kernels::gguf_linear(t, m, k, &x, w, num_threads, out))
+        .map_err(|e| Error::from(e).into())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gguf_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_linear, m)?)
+}
