@@ -148,3 +148,25 @@ def _finite(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
     for off in offsets:
         blocks[:, off : off + 2] = scale
     return blocks.reshape(raw.shape[0], -1)
+
+
+def test_the_portable_linear_path_forced_gives_the_same_results() -> None:
+    """`ASYNCLLM_KERNEL_ISA=portable` runs the fused GGUF kernel's plain path (this
+    machine's AVX2 path is the one the tests above run): the same checks, every
+    type, in a process of its own (the cap is read once)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    test = f"{__file__}::test_linear_equals_dequantize_then_float32_matmul"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=dict(os.environ, ASYNCLLM_KERNEL_ISA="portable"),
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert f"{3 * len(TYPES)} passed" in done.stdout, done.stdout[-1000:]

@@ -12,6 +12,8 @@ use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::bf16::{isa_cap, IsaCap};
 use super::gguf::{decode_row, half, GgufType};
 use super::team::{self, Team};
 use super::KernelError;
@@ -75,8 +77,12 @@ fn item_rows<F: Fn(usize, usize, f32)>(
     buf: &mut [f32],
     store: F,
 ) {
+    // `ASYNCLLM_KERNEL_ISA=portable` forces the plain path (tests run both here)
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if !matches!(isa_cap(), Ok(IsaCap::Portable))
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
         // SAFETY: the CPU has AVX2 and FMA (checked just above).
         return unsafe { item_rows_avx2(t, k, rb, x, w, buf, &store) };
     }
