@@ -197,4 +197,6 @@ def test_every_isa_path_forced_gives_the_torch_paths_logits(isa: str) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    if "1 skipped" in done.stdout:  # the inner test's own reason (e.g. no tokenizer assets)
+        pytest.skip(done.stdout.strip().splitlines()[-2][-200:])
     assert "1 passed" in done.stdout, done.stdout[-2000:]
