@@ -8,14 +8,10 @@
 //! of `team::Team`. Not bit-equal to dequantize + GEMM (another summation order),
 //! equal to float rounding (tests).
 
-use std::sync::{Mutex, PoisonError};
-
-use rayon::prelude::*;
-
 #[cfg(target_arch = "x86_64")]
 use super::bf16::{isa_cap, IsaCap};
 use super::gguf::{decode_row, half, GgufType};
-use super::team::{self, Team};
+use super::team;
 use super::KernelError;
 
 /// Output features per work item.
@@ -63,7 +59,7 @@ pub fn gguf_linear(
             },
         );
     };
-    run_items(n.div_ceil(ITEM_ROWS), num_threads, &item)
+    team::run_items(n.div_ceil(ITEM_ROWS), num_threads, &item)
 }
 
 /// The dot products of one item's weight rows with every row of `x`, through the
@@ -224,40 +220,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         sum += x * y;
     }
     sum
-}
-
-/// Runs `item(idx, scratch)` for every idx in 0..num_items on the team.
-fn run_items<F: Fn(usize, &mut Vec<f32>) + Sync>(
-    num_items: usize,
-    num_threads: usize,
-    item: &F,
-) -> Result<(), KernelError> {
-    if num_threads == 1 || num_items <= 1 {
-        let mut buf = Vec::new();
-        (0..num_items).for_each(|i| item(i, &mut buf));
-        return Ok(());
-    }
-    match Team::get(num_threads)? {
-        #[cfg(target_os = "linux")]
-        Team::Omp(parallel) => {
-            let next = Mutex::new(0..num_items);
-            team::run_on_omp(parallel, num_threads, &|| {
-                let mut buf = Vec::new();
-                loop {
-                    // Only `next` runs under the lock and it cannot panic.
-                    let idx = next.lock().unwrap_or_else(PoisonError::into_inner).next();
-                    let Some(idx) = idx else { break };
-                    item(idx, &mut buf);
-                }
-            })?;
-        }
-        Team::Rayon => team::pool(num_threads)?.install(|| {
-            (0..num_items)
-                .into_par_iter()
-                .for_each_init(Vec::new, |buf, idx| item(idx, buf))
-        }),
-    }
-    Ok(())
 }
 
 /// The output's base pointer, shared by the work items (see `gguf_linear`).

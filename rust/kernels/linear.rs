@@ -18,15 +18,11 @@
 //! into a `#[target_feature]` wrapper per ISA (portable, AVX2 + FMA, AVX-512); the
 //! paths a machine cannot run are the same code as those it can.
 
-use std::sync::{Mutex, PoisonError};
-
-use rayon::prelude::*;
-
 use super::bf16::{isa_cap, IsaCap};
 #[cfg(target_arch = "x86_64")]
 use super::linear_dpbf16::columns_dpbf16;
 pub(super) use super::linear_simd as simd;
-use super::team::{self, Team};
+use super::team;
 use super::{bf16_to_f32, f32_to_bf16, KernelError};
 
 /// A float the kernel reads or writes: f32, or bf16 as its bits (`u16`).
@@ -292,32 +288,7 @@ pub(super) fn run<X: Elem, W: Elem, O: Elem>(
         isa.columns(&job, cols.clone(), tile);
         store(cols, tile, &out_ptr);
     };
-    if num_threads == 1 || num_items <= 1 {
-        let mut tile = Vec::new();
-        (0..num_items).for_each(|i| item(i, &mut tile));
-        return Ok(());
-    }
-    match Team::get(num_threads)? {
-        #[cfg(target_os = "linux")]
-        Team::Omp(parallel) => {
-            let next = Mutex::new(0..num_items);
-            team::run_on_omp(parallel, num_threads, &|| {
-                let mut tile = Vec::new();
-                loop {
-                    // Only `next` runs under the lock and it cannot panic.
-                    let idx = next.lock().unwrap_or_else(PoisonError::into_inner).next();
-                    let Some(idx) = idx else { break };
-                    item(idx, &mut tile);
-                }
-            })?;
-        }
-        Team::Rayon => team::pool(num_threads)?.install(|| {
-            (0..num_items)
-                .into_par_iter()
-                .for_each_init(Vec::new, |tile, idx| item(idx, tile))
-        }),
-    }
-    Ok(())
+    team::run_items(num_items, num_threads, &item)
 }
 
 /// The output's base pointer, shared by the work items (see `store`).

@@ -15,6 +15,8 @@
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use rayon::prelude::*;
+
 use super::KernelError;
 
 /// Where a multi-threaded call runs.
@@ -256,4 +258,40 @@ mod tests {
         let payload = result.expect_err("the panic must be resumed on the caller");
         assert_eq!(payload.downcast_ref::<&str>(), Some(&"in the team"));
     }
+}
+
+/// Runs `item(idx, scratch)` for every idx in 0..num_items on `num_threads`
+/// threads of the team, handing items out one at a time as threads ask (a thread
+/// the OS descheduled holds up no one); each thread keeps one scratch buffer.
+pub(crate) fn run_items<F: Fn(usize, &mut Vec<f32>) + Sync>(
+    num_items: usize,
+    num_threads: usize,
+    item: &F,
+) -> Result<(), KernelError> {
+    if num_threads == 1 || num_items <= 1 {
+        let mut buf = Vec::new();
+        (0..num_items).for_each(|i| item(i, &mut buf));
+        return Ok(());
+    }
+    match Team::get(num_threads)? {
+        #[cfg(target_os = "linux")]
+        Team::Omp(parallel) => {
+            let next = Mutex::new(0..num_items);
+            run_on_omp(parallel, num_threads, &|| {
+                let mut buf = Vec::new();
+                loop {
+                    // Only `next` runs under the lock and it cannot panic.
+                    let idx = next.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    let Some(idx) = idx else { break };
+                    item(idx, &mut buf);
+                }
+            })?;
+        }
+        Team::Rayon => pool(num_threads)?.install(|| {
+            (0..num_items)
+                .into_par_iter()
+                .for_each_init(Vec::new, |buf, idx| item(idx, buf))
+        }),
+    }
+    Ok(())
 }
