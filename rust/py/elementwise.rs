@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 
 use super::decode_layers::Buf;
 use crate::error::Error;
-use crate::kernels::{self, KernelError};
+use crate::kernels;
 
 /// The buffers of one call, checked: one dtype for all, `written` writable and
 /// apart from every other.
@@ -48,8 +48,10 @@ fn buffers<const N: usize>(
 }
 
 /// # Safety
-/// The promise of `run_with_weight`'s callers: `E` matches the buffer's dtype, and nothing else reads or writes
-/// it while the slice lives.
+/// `E` matches the buffer's dtype (u16 for bf16 bits), and nothing else reads or
+/// writes it while the slice lives: `buffers` checked it writable and apart from
+/// the call's other buffers, and the sole caller (asyncllm.models.native_ops)
+/// passes tensors no other thread touches during the step, the outputs fresh.
 // The memory is the exporter's, not the `Buf`'s: the handle is only borrowed to
 // reach it; exclusivity is the caller's promise above.
 #[allow(clippy::mut_from_ref)]
@@ -69,14 +71,28 @@ fn rms_norm(
     num_threads: usize,
 ) -> PyResult<()> {
     let [out, x, weight] = buffers([(out, "out"), (x, "x"), (weight, "weight")], &[0])?;
-    run_with_weight(
-        py,
-        &x,
-        &weight,
-        &out,
-        |x, w, o| kernels::rms_norm(x, w, eps, o, num_threads),
-        |x, w, o| kernels::rms_norm(x, w, eps, o, num_threads),
-    )
+    let result = if x.is_bf16() {
+        // SAFETY: as `slice_mut`'s (the buffers checked by `buffers`).
+        let (o, x, w) = unsafe {
+            (
+                slice_mut::<u16>(&out),
+                x.slice::<u16>(),
+                weight.slice::<u16>(),
+            )
+        };
+        py.detach(|| kernels::rms_norm(x, w, eps, o, num_threads))
+    } else {
+        // SAFETY: as above.
+        let (o, x, w) = unsafe {
+            (
+                slice_mut::<f32>(&out),
+                x.slice::<f32>(),
+                weight.slice::<f32>(),
+            )
+        };
+        py.detach(|| kernels::rms_norm(x, w, eps, o, num_threads))
+    };
+    result.map_err(|e| Error::from(e).into())
 }
 
 /// `residual += x`, then `out = rms_norm(residual) * weight`, row by row.
@@ -127,48 +143,6 @@ fn add_rms_norm(
             )
         };
         py.detach(|| kernels::add_rms_norm(x, r, w, eps, o, num_threads))
-    };
-    result.map_err(|e| Error::from(e).into())
-}
-
-fn run_with_weight<F32, B16>(
-    py: Python<'_>,
-    x: &Buf,
-    weight: &Buf,
-    out: &Buf,
-    f32_fn: F32,
-    bf16_fn: B16,
-) -> PyResult<()>
-where
-    F32: FnOnce(&[f32], &[f32], &mut [f32]) -> Result<(), KernelError> + Send,
-    B16: FnOnce(&[u16], &[u16], &mut [u16]) -> Result<(), KernelError> + Send,
-{
-    let result = if x.is_bf16() {
-        // SAFETY: the buffers are C-contiguous, aligned, non-null and valid while
-        // their exports are held (this call); the written ones are writable and
-        // overlap no other (`buffers`); the sole caller (asyncllm.models.native_ops)
-        // passes tensors no other thread touches during the step, the outputs fresh.
-        let (x, w, o) = unsafe {
-            (
-                x.slice::<u16>(),
-                weight.slice::<u16>(),
-                slice_mut::<u16>(out),
-            )
-        };
-        py.detach(|| bf16_fn(x, w, o))
-    } else {
-        // SAFETY: the buffers are C-contiguous, aligned, non-null and valid while
-        // their exports are held (this call); the written ones are writable and
-        // overlap no other (`buffers`); the sole caller (asyncllm.models.native_ops)
-        // passes tensors no other thread touches during the step, the outputs fresh.
-        let (x, w, o) = unsafe {
-            (
-                x.slice::<f32>(),
-                weight.slice::<f32>(),
-                slice_mut::<f32>(out),
-            )
-        };
-        py.detach(|| f32_fn(x, w, o))
     };
     result.map_err(|e| Error::from(e).into())
 }
