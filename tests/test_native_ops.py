@@ -33,6 +33,28 @@ def test_native_ops_give_the_eager_ops_results(dtype: torch.dtype, rows: int) ->
     torch.testing.assert_close(got[0], want[0], **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 100])
+def test_silu_mul_gives_the_eager_result(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    # gates far into both tails too: exp must neither overflow nor lose the sign
+    gate_up = (6 * torch.randn(rows, 2 * 136, generator=g)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0]).to(dtype)
+    got = native_ops.silu_mul(gate_up)
+    assert got.shape == (rows, 136) and got.dtype == dtype
+    torch.testing.assert_close(got, EAGER_OPS.silu_mul(gate_up), **TOL[dtype])
+
+
+def test_silu_mul_rows_do_not_depend_on_neighbours_or_threads() -> None:
+    g = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(300, 2 * 80, generator=g).to(torch.bfloat16)
+    batch = native_ops.silu_mul(gate_up)
+    for threads in (1, 2):
+        out = torch.empty(1, 80, dtype=torch.bfloat16)
+        _core._silu_mul(as_buffer(out), as_buffer(gate_up[137:138].clone()), 80, threads)
+        assert torch.equal(out[0], batch[137])
+
+
 def test_a_rows_bits_do_not_depend_on_its_neighbours_or_the_threads() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 64, generator=g).to(torch.bfloat16)
@@ -59,4 +81,6 @@ def test_bad_buffers_raise_and_write_nothing() -> None:
         _core._rms_norm(as_buffer(out), as_buffer(x), as_buffer(w.bfloat16()), 1e-6, 1)
     with pytest.raises(ValueError, match="overlap"):
         _core._rms_norm(as_buffer(x), as_buffer(x), as_buffer(w), 1e-6, 1)
+    with pytest.raises(ValueError, match="gate and up halves"):
+        _core._silu_mul(as_buffer(out), as_buffer(torch.randn(4, 8)), 8, 1)
     assert not out.any()

@@ -604,6 +604,13 @@ def _add_rms_norm(
     """residual += x (rounded to the dtype, in place), then out = rms_norm(residual) *
     weight, row by row; as `_rms_norm` otherwise (residual also writable and apart)."""
 
+def _silu_mul(out: _Buffer, gate_up: _Buffer, inter: int, num_threads: int) -> None:
+    """out = silu(gate) * up, row by row, each row of gate_up holding the row's gate
+    (`inter` elements) then its up (rust/kernels/silu_mul.rs): computed in float32,
+    rounded to the dtype after the SiLU and after the product, as torch rounds.
+    float32, or bfloat16 as int16 bits; out writable and apart from gate_up. Raises
+    ValueError on mismatched sizes or dtypes."""
+
 def _fma_peak(num_threads: int, iters: int) -> tuple[float, str]:
     """(float operations per second, ISA variant) of `num_threads` threads each
     running `iters` rounds of 12 independent vector fused multiply-adds: the CPU's

@@ -13,39 +13,9 @@ use std::sync::OnceLock;
 
 use super::KernelError;
 
-/// An element of the KV cache the kernel reads.
-pub trait KvElem: Copy + Send + Sync + 'static {
-    /// Whether this is bf16 (the AVX512-BF16 variant applies).
-    const IS_BF16: bool;
-    fn to_f32(self) -> f32;
-    /// The row as bf16 bits, when it is bf16.
-    fn bits(row: &[Self]) -> Option<&[u16]>;
-}
-
-impl KvElem for f32 {
-    const IS_BF16: bool = false;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn bits(_: &[f32]) -> Option<&[u16]> {
-        None
-    }
-}
-
-/// bf16, as its bit pattern (torch's `tensor.view(torch.int16)`).
-impl KvElem for u16 {
-    const IS_BF16: bool = true;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16_to_f32(self)
-    }
-    #[inline(always)]
-    fn bits(row: &[u16]) -> Option<&[u16]> {
-        Some(row)
-    }
-}
+/// An element of the KV cache the kernel reads: f32, or bf16 bits (`u16`) —
+/// the linear kernels' element types.
+pub use super::linear::Elem as KvElem;
 
 /// bf16 bits to f32: exact (bf16 is f32 with the low 16 mantissa bits dropped).
 #[inline(always)]
@@ -89,41 +59,4 @@ pub(super) fn isa_cap() -> Result<IsaCap, KernelError> {
     })
     .clone()
     .map_err(KernelError::Isa)
-}
-
-/// `q · k` on `vdpbf16ps`: 32 bf16 pairs per instruction into 16 f32 lanes,
-/// the tail (head_dim not a multiple of 32) widened and done in f32.
-///
-/// Call only from code compiled with `avx512f,avx512bf16` (inside
-/// `attend_avx512_bf16`), which runs only on CPUs that have them.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(super) fn dot_dpbf16(q: &[u16], k: &[u16]) -> f32 {
-    use std::arch::x86_64::*;
-    let (cq, rq) = q.as_chunks::<32>();
-    let (ck, rk) = k.as_chunks::<32>();
-    let mut tail = 0.0f32;
-    for (x, y) in rq.iter().zip(rk) {
-        tail += bf16_to_f32(*x) * bf16_to_f32(*y);
-    }
-    // SAFETY: the caller runs this only on a CPU with AVX512F and AVX512-BF16
-    // (see above); every load reads one whole 32-element chunk of a slice
-    // (`as_chunks`), unaligned loads being allowed, and `__m512i` and
-    // `__m512bh` are both 512 bits, so the transmutes reinterpret bits only.
-    unsafe {
-        let mut acc = _mm512_setzero_ps();
-        for (x, y) in cq.iter().zip(ck) {
-            let a: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.as_ptr().cast()));
-            let b: __m512bh = std::mem::transmute(_mm512_loadu_si512(y.as_ptr().cast()));
-            acc = _mm512_dpbf16_ps(acc, a, b);
-        }
-        _mm512_reduce_add_ps(acc) + tail
-    }
-}
-
-/// Stand-in where there is no AVX512-BF16 variant (never called).
-#[cfg(not(target_arch = "x86_64"))]
-#[inline(always)]
-pub(super) fn dot_dpbf16(_: &[u16], _: &[u16]) -> f32 {
-    unreachable!("no AVX512-BF16 variant off x86-64")
 }

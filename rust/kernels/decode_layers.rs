@@ -20,10 +20,10 @@
 //! order for any row count) and attention on `paged_attention`, so a row gives
 //! the same bits alone and in a batch.
 
-use super::bf16::KvElem;
-use super::elementwise::{add_in_place, narrow, rms_norm_row, round, silu_mul_row, widen};
-use super::linear::{linear, Elem, LinearShape};
+use super::elementwise::{add_in_place, narrow, rms_norm_row, round, widen};
+use super::linear::{linear, Elem, LinearIsa, LinearShape};
 use super::paged_attention::{paged_decode_attention, DecodeShape, KvCache};
+use super::silu_mul::silu_mul_rows;
 use super::KernelError;
 
 /// The model's sizes and constants, the same for every layer.
@@ -79,7 +79,7 @@ pub struct CacheMut<C> {
 // moving it to another thread moves that exclusivity with it.
 unsafe impl<C: Send> Send for CacheMut<C> {}
 
-impl<C: Elem + KvElem> CacheMut<C> {
+impl<C: Elem> CacheMut<C> {
     /// # Safety
     /// `ptr` is non-null, aligned for `C` and valid for reads and writes of `len`
     /// elements for as long as the value is used, and nothing else reads or
@@ -135,7 +135,7 @@ pub struct DecodeStep<'a, E> {
 /// Runs every layer over `hidden` (`[m, hidden]`, updated in place) for the rows
 /// of `step`, on `num_threads` threads. Every size, slot and block id is checked
 /// before anything is written.
-pub fn decode_layers<E: Elem, C: Elem + KvElem>(
+pub fn decode_layers<E: Elem, C: Elem>(
     dims: &DecodeDims,
     layers: &mut [(LayerWeights<'_, E>, CacheMut<C>)],
     step: &DecodeStep<'_, E>,
@@ -146,6 +146,7 @@ pub fn decode_layers<E: Elem, C: Elem + KvElem>(
     let d = *dims;
     let (h, qs, kvs, inter) = (d.hidden, d.q_size(), d.kv_size(), d.intermediate);
     let mut s = Scratch::new(&d, m);
+    let isa = LinearIsa::detect()?;
     let blocks_per_seq = step.block_tables.len() / m;
     for (w, cache) in layers.iter_mut() {
         rms_norm_rows(hidden, w.input_norm, d.eps, &mut s.normed);
@@ -214,7 +215,7 @@ pub fn decode_layers<E: Elem, C: Elem + KvElem>(
             num_threads,
             &mut s.gate_up,
         )?;
-        silu_mul_rows(&s.gate_up, inter, &mut s.act);
+        silu_mul_rows(isa, &s.gate_up, inter, &mut s.act);
         linear(
             LinearShape { m, k: inter, n: h },
             &s.act,
@@ -267,15 +268,6 @@ fn rms_norm_rows<E: Elem>(x: &[E], weight: &[E], eps: f32, out: &mut [E]) {
     }
 }
 
-fn silu_mul_rows<E: Elem>(gate_up: &[E], inter: usize, out: &mut [E]) {
-    for (row, dst) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
-        silu_mul_row(row, dst);
-    }
-}
-
 /// Rotates q and k heads (`row`: `[heads, head_dim]`, q heads then k heads) in
 /// place by rotate-half (`apply_rotary`), each product and sum rounded as the
 /// torch ops round; the rotated q heads also go to `q32` in f32.
@@ -299,7 +291,7 @@ fn rotate<E: Elem>(row: &mut [E], head_dim: usize, cos: &[E], sin: &[E], q32: &m
 /// sizes, the step's arrays, slots within each cache and, for every row, its
 /// seq_len within its block table and the block ids it reads within the cache
 /// (so no check inside the loop can fail after a cache was written).
-fn check<E: Elem, C: Elem + KvElem>(
+fn check<E: Elem, C: Elem>(
     dims: &DecodeDims,
     layers: &[(LayerWeights<'_, E>, CacheMut<C>)],
     step: &DecodeStep<'_, E>,

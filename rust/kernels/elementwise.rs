@@ -1,8 +1,7 @@
 //! The elementwise work between a layer's matmuls, row by row: RMSNorm and the
-//! residual add with the next norm for steps of any size, and SiLU × up for the
-//! fused decode step — f32 or bf16 (bits), computed in f32 and rounded where the
-//! torch path rounds (`asyncllm.models.layers`). (SiLU × up of a large step stays
-//! on torch, whose vectorised exp is 2x this scalar one.)
+//! residual add with the next norm (SiLU × up is `silu_mul`'s) — f32 or bf16
+//! (bits), computed in f32 and rounded where the torch path rounds
+//! (`asyncllm.models.layers`).
 //!
 //! Why: on the CPU the torch path runs a bf16 RMSNorm as seven ops (widen, square,
 //! mean, rsqrt, multiply, narrow, multiply by the weight), each a pass over memory
@@ -20,7 +19,7 @@ use super::KernelError;
 
 /// Rows per work item: enough that a handful of items per thread balance the
 /// team, few enough that a small step does not pay for threads it cannot use.
-const ITEM_ROWS: usize = 16;
+pub(super) const ITEM_ROWS: usize = 16;
 
 /// `x` rounded to the element type and back: what storing it in a tensor of the
 /// model's dtype does (nothing for f32).
@@ -55,18 +54,6 @@ pub(super) fn rms_norm_row<E: Elem>(row: &[E], weight: &[E], eps: f32, out: &mut
     let inv = 1.0 / (sum / h as f32 + eps).sqrt();
     for ((d, v), w) in out.iter_mut().zip(row).zip(weight) {
         *d = E::from_f32(round::<E>(v.to_f32() * inv) * w.to_f32());
-    }
-}
-
-/// `silu(gate) * up` of one row of the fused gate/up output (gate first), each
-/// op rounded to the dtype as torch's are.
-#[inline]
-pub(super) fn silu_mul_row<E: Elem>(row: &[E], out: &mut [E]) {
-    let (gate, up) = row.split_at(out.len());
-    for ((d, g), u) in out.iter_mut().zip(gate).zip(up) {
-        let g = g.to_f32();
-        let silu = round::<E>(g / (1.0 + (-g).exp()));
-        *d = E::from_f32(silu * u.to_f32());
     }
 }
 
@@ -152,7 +139,7 @@ fn check(width: usize, a: usize, b: usize, c: usize, what: &str) -> Result<(), K
 
 /// Runs `body` on every item, on `num_threads` threads of the kernel team (one
 /// thread below two items: a small step pays for no wake-up).
-fn on_rows<I, F>(items: I, num_threads: usize, body: &F) -> Result<(), KernelError>
+pub(super) fn on_rows<I, F>(items: I, num_threads: usize, body: &F) -> Result<(), KernelError>
 where
     I: Iterator + Send,
     I::Item: Send,

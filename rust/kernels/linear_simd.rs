@@ -1,5 +1,5 @@
-//! The vector operations `linear`'s `dot` is written in, per instruction set: one source
-//! for the kernel, a few lines of intrinsics per ISA here.
+//! The vector operations the linear and attention kernels are written in, per
+//! instruction set: one source for each kernel, a few lines of intrinsics per ISA here.
 
 use super::linear::Elem;
 
@@ -13,8 +13,18 @@ pub(super) trait Simd {
     unsafe fn load_w<W: Elem>(p: *const W) -> Self::V;
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    /// `x` in every lane.
+    unsafe fn splat(x: f32) -> Self::V;
+    /// The `LANES` lanes to `p`.
+    unsafe fn store(p: *mut f32, v: Self::V);
     /// The lanes' sum by a fixed tree.
     unsafe fn sum(v: Self::V) -> f32;
+    /// Lane `i` = the sum of `vs[i]`'s lanes by a fixed tree, for `i < LANES`
+    /// (the rest of `vs` is ignored): `LANES` reductions for the price of a few.
+    unsafe fn sum_each(vs: &[Self::V; 16]) -> Self::V;
+    /// `acc` plus the products of 32 bf16 pairs at `a`, `b`, adjacent pairs summed
+    /// into each lane (`vdpbf16ps`). Only the AVX512-BF16 variant calls it.
+    unsafe fn dpbf16(acc: Self::V, a: *const u16, b: *const u16) -> Self::V;
     fn scalar_fma(a: f32, b: f32, c: f32) -> f32;
 }
 
@@ -48,8 +58,25 @@ impl Simd for Portable {
         std::array::from_fn(|i| a[i] + b[i])
     }
     #[inline(always)]
+    unsafe fn splat(x: f32) -> [f32; 8] {
+        [x; 8]
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: [f32; 8]) {
+        // SAFETY: the caller guarantees 8 writable f32 at `p`.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p, 8) }
+    }
+    #[inline(always)]
     unsafe fn sum(v: [f32; 8]) -> f32 {
         ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+    }
+    #[inline(always)]
+    unsafe fn sum_each(vs: &[[f32; 8]; 16]) -> [f32; 8] {
+        // SAFETY: `sum` has no precondition here.
+        std::array::from_fn(|i| unsafe { Self::sum(vs[i]) })
+    }
+    unsafe fn dpbf16(_: [f32; 8], _: *const u16, _: *const u16) -> [f32; 8] {
+        unreachable!("vdpbf16ps is the AVX512-BF16 variant's")
     }
     #[inline(always)]
     fn scalar_fma(a: f32, b: f32, c: f32) -> f32 {
@@ -74,9 +101,10 @@ mod x86 {
         type V = __m256;
         #[inline(always)]
         unsafe fn zero() -> __m256 {
-            // SAFETY (all methods): run only inside `columns_avx2`, compiled
-            // with AVX2 and FMA for CPUs that have them; loads read the 8
-            // elements the caller guarantees readable (unaligned allowed).
+            // SAFETY (all methods): run only inside code compiled with AVX2
+            // and FMA for CPUs that have them (`columns_avx2`, the attention
+            // kernel's AVX2 variant); loads and stores touch the 8 elements
+            // the caller guarantees readable / writable (unaligned allowed).
             unsafe { _mm256_setzero_ps() }
         }
         #[inline(always)]
@@ -103,12 +131,39 @@ mod x86 {
             unsafe { _mm256_add_ps(a, b) }
         }
         #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline(always)]
         unsafe fn sum(v: __m256) -> f32 {
             unsafe {
                 let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
                 let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
                 _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
             }
+        }
+        #[inline(always)]
+        unsafe fn sum_each(v: &[__m256; 16]) -> __m256 {
+            unsafe {
+                // hadd pairs lanes within each 128-bit half: two rounds leave
+                // each vector's half-sums, the cross-half add finishes them.
+                let t0 = _mm256_hadd_ps(v[0], v[1]);
+                let t1 = _mm256_hadd_ps(v[2], v[3]);
+                let t2 = _mm256_hadd_ps(v[4], v[5]);
+                let t3 = _mm256_hadd_ps(v[6], v[7]);
+                let u0 = _mm256_hadd_ps(t0, t1); // [0..4 low halves | 0..4 high halves]
+                let u1 = _mm256_hadd_ps(t2, t3);
+                let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+                let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+                _mm256_add_ps(lo, hi)
+            }
+        }
+        unsafe fn dpbf16(_: __m256, _: *const u16, _: *const u16) -> __m256 {
+            unreachable!("vdpbf16ps is the AVX512-BF16 variant's")
         }
         #[inline(always)]
         fn scalar_fma(a: f32, b: f32, c: f32) -> f32 {
@@ -124,9 +179,10 @@ mod x86 {
         type V = __m512;
         #[inline(always)]
         unsafe fn zero() -> __m512 {
-            // SAFETY (all methods): run only inside `columns_avx512`, compiled
-            // with AVX2, FMA and AVX512F for CPUs that have them; loads read
-            // the 16 elements the caller guarantees readable.
+            // SAFETY (all methods): run only inside code compiled with AVX2,
+            // FMA and AVX512F for CPUs that have them (`columns_avx512`, the
+            // attention kernel's AVX-512 variants); loads and stores touch the
+            // 16 elements the caller guarantees readable / writable.
             unsafe { _mm512_setzero_ps() }
         }
         #[inline(always)]
@@ -153,6 +209,14 @@ mod x86 {
             unsafe { _mm512_add_ps(a, b) }
         }
         #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            unsafe { _mm512_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
         unsafe fn sum(v: __m512) -> f32 {
             unsafe {
                 let lo = _mm512_castps512_ps256(v);
@@ -161,6 +225,48 @@ mod x86 {
                 let x = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
                 let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
                 _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn sum_each(v: &[__m512; 16]) -> __m512 {
+            unsafe {
+                // Fold 512 -> 256 -> 128 bits, two vectors at a time, so each
+                // 128-bit quarter holds four vectors' partial sums; then a 4x4
+                // transpose-add per quarter, and the quarters put in order.
+                let fold = |a: __m512, b: __m512| {
+                    let x = _mm512_shuffle_f32x4::<0x44>(a, b); // a.q0 a.q1 b.q0 b.q1
+                    let y = _mm512_shuffle_f32x4::<0xEE>(a, b); // a.q2 a.q3 b.q2 b.q3
+                    _mm512_add_ps(x, y)
+                };
+                let w: [__m512; 8] = std::array::from_fn(|i| fold(v[i], v[i + 8]));
+                let fold2 = |a: __m512, b: __m512| {
+                    let x = _mm512_shuffle_f32x4::<0x88>(a, b); // a.q0 a.q2 b.q0 b.q2
+                    let y = _mm512_shuffle_f32x4::<0xDD>(a, b); // a.q1 a.q3 b.q1 b.q3
+                    _mm512_add_ps(x, y)
+                };
+                // x[i]'s quarters: partial sums of v[i], v[i + 8], v[i + 4], v[i + 12].
+                let x: [__m512; 4] = std::array::from_fn(|i| fold2(w[i], w[i + 4]));
+                let pair = |a: __m512, b: __m512| {
+                    _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+                };
+                let (s01, s23) = (pair(x[0], x[1]), pair(x[2], x[3]));
+                let r = _mm512_add_ps(
+                    _mm512_shuffle_ps::<0x44>(s01, s23),
+                    _mm512_shuffle_ps::<0xEE>(s01, s23),
+                );
+                // Quarters of r: v0..4, v8..12, v4..8, v12..16.
+                _mm512_shuffle_f32x4::<0xD8>(r, r)
+            }
+        }
+        #[inline(always)]
+        unsafe fn dpbf16(acc: __m512, a: *const u16, b: *const u16) -> __m512 {
+            // SAFETY: called only inside the AVX512-BF16 variant (on CPUs with
+            // it); 32 bf16 at each pointer are the caller's guarantee;
+            // `__m512i` and `__m512bh` are both 512 bits.
+            unsafe {
+                let a: __m512bh = std::mem::transmute(_mm512_loadu_si512(a.cast()));
+                let b: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.cast()));
+                _mm512_dpbf16_ps(acc, a, b)
             }
         }
         #[inline(always)]

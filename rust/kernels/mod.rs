@@ -6,9 +6,11 @@
 //! bf16 caches) picked at run time,
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
+mod attention_block;
 mod bf16;
 mod decode_layers;
 mod elementwise;
+mod exp;
 mod gguf;
 mod gguf_linear;
 mod linear;
@@ -17,6 +19,7 @@ mod linear_dpbf16;
 mod linear_simd;
 mod paged_attention;
 mod peak;
+mod silu_mul;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
 pub(crate) mod team;
 #[cfg(test)]
@@ -37,6 +40,7 @@ pub use paged_attention::{
     KvCache,
 };
 pub use peak::{fma_peak, read_bandwidth};
+pub use silu_mul::silu_mul;
 
 /// An argument a kernel cannot work with. Every check runs before any output is
 /// written, so on error the output buffer is untouched.

@@ -27,7 +27,10 @@ use std::sync::{Mutex, PoisonError};
 
 use rayon::prelude::*;
 
+use super::attention_block::{self as block, Rows};
 use super::bf16::{self, IsaCap, KvElem};
+use super::exp;
+use super::linear_simd::{self as simd, Simd};
 use super::team::{self, Team};
 use super::KernelError;
 
@@ -448,7 +451,10 @@ pub(super) enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
-    /// AVX2 + FMA, and `vdpbf16ps` for the q·k dot products of a bf16 cache.
+    /// AVX-512F: 16 lanes (a bf16 cache widened as it is read).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// AVX-512F, and `vdpbf16ps` for the q·k dot products of a bf16 cache.
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16,
 }
@@ -463,12 +469,11 @@ impl Isa {
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
         {
-            if E::IS_BF16
-                && cap == IsaCap::Auto
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bf16")
-            {
-                return Ok(Isa::Avx512Bf16);
+            if cap != IsaCap::Avx2 && is_x86_feature_detected!("avx512f") {
+                if E::IS_BF16 && cap == IsaCap::Auto && is_x86_feature_detected!("avx512bf16") {
+                    return Ok(Isa::Avx512Bf16);
+                }
+                return Ok(Isa::Avx512);
             }
             return Ok(Isa::Avx2Fma);
         }
@@ -483,6 +488,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => "avx2",
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => "avx512",
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => "avx512bf16",
         }
     }
@@ -496,13 +503,14 @@ impl Isa {
         s: &mut Scratch,
     ) {
         match self {
-            Isa::Portable => attend::<false, false, T, E>(job, item, out, s),
-            // SAFETY: `Avx2Fma` is only constructed where the CPU has AVX2 and FMA
-            // (`detect`, or tests that check the same).
+            // SAFETY: the portable variant uses no instruction a CPU may lack.
+            Isa::Portable => unsafe { attend::<simd::Portable, false, T, E>(job, item, out, s) },
+            // SAFETY: each variant is only constructed where the CPU has its
+            // features (`detect`, or tests that check the same).
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2Fma => unsafe { attend_avx2_fma(job, item, out, s) },
-            // SAFETY: `Avx512Bf16` is only constructed where the CPU has AVX2,
-            // FMA, AVX512F and AVX512-BF16 (`detect`, or tests that check the same).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { attend_avx512(job, item, out, s) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => unsafe { attend_avx512_bf16(job, item, out, s) },
         }
@@ -523,7 +531,20 @@ fn attend_avx2_fma<T: BlockIndex, E: KvElem>(
     out: &mut [f32],
     s: &mut Scratch,
 ) {
-    attend::<true, false, T, E>(job, item, out, s)
+    // SAFETY: compiled with AVX2 and FMA, the features `simd::Avx2` uses.
+    unsafe { attend::<simd::Avx2, false, T, E>(job, item, out, s) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+fn attend_avx512<T: BlockIndex, E: KvElem>(
+    job: &Job<'_, T, E>,
+    item: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    // SAFETY: compiled with AVX-512F, the feature `simd::Avx512` uses.
+    unsafe { attend::<simd::Avx512, false, T, E>(job, item, out, s) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -534,20 +555,22 @@ fn attend_avx512_bf16<T: BlockIndex, E: KvElem>(
     out: &mut [f32],
     s: &mut Scratch,
 ) {
-    attend::<true, true, T, E>(job, item, out, s)
+    // SAFETY: compiled with AVX-512F and AVX512-BF16 (`simd::Avx512`, `vdpbf16ps`).
+    unsafe { attend::<simd::Avx512, true, T, E>(job, item, out, s) }
 }
 
 /// One work item: the KV heads `heads_per_item * i .. heads_per_item * (i + 1)`
 /// of one sequence and their query heads; `out` is those query heads' outputs.
-/// Blocks are the outer loop and tokens the next, so a block's rows for all the
-/// item's heads are read in address order (contiguous when the item has every KV
-/// head): measured 1.5-2x faster than head by head once the cache outgrows the
-/// CPU's caches (batch 256, context 100, small shapes). `AVX2` is true
-/// when compiled inside `attend_avx2_fma`: it selects fused multiply-adds
-/// (elsewhere `mul_add` is a slow library call) and the AVX2 lane sum.
-/// `DPBF16` is true inside `attend_avx512_bf16`: q·k of bf16 rows on `vdpbf16ps`.
+/// Blocks are the outer loop; in a block, each KV head's scores for all its
+/// query heads, the online-softmax update, then each KV head's values
+/// (`attention_block`). The next block's rows are prefetched as this one's
+/// are read.
+///
+/// # Safety
+/// Call only from code compiled for `S`'s instruction set (and AVX512-BF16 when
+/// `DPBF16`), on a CPU that has it.
 #[inline(always)]
-fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
+unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
     job: &Job<'_, T, E>,
     item: usize,
     out: &mut [f32],
@@ -566,145 +589,87 @@ fn attend<const AVX2: bool, const DPBF16: bool, T: BlockIndex, E: KvElem>(
         &[]
     };
     let table = &job.block_tables[seq * sh.blocks_per_seq..][..len.div_ceil(bs)];
-    let (ts, row) = (job.token_stride, heads * d);
+    let ts = job.token_stride;
     out.fill(0.0);
     s.max.fill(f32::NEG_INFINITY);
     s.sum.fill(0.0);
     // In range: `Job::new` checked every block id this call reads.
     let base_of = |block: &T| block.to_i64() as usize * job.block_stride + first_head * d;
+    // One KV head's rows of a block (`Rows::new` checks they are in the cache).
+    fn rows<'a, E: KvElem>(
+        cache: KvCache<'a, E>,
+        start: usize,
+        ts: usize,
+        d: usize,
+        n: usize,
+    ) -> Rows<'a, E> {
+        Rows::new(cache.row(start, (n - 1) * ts + d), ts, d, n)
+    }
     // Sliding window: the first position read; blocks before it are skipped.
     let first = if job.window > 0 {
         len.saturating_sub(job.window)
     } else {
         0
     };
+    let group_len = group * d;
     for (j, block) in table.iter().enumerate().skip(first / bs) {
         let n = bs.min(len - j * bs);
         let t0 = if j == first / bs { first % bs } else { 0 };
         let base = base_of(block);
-        // The next block's rows are asked for a token at a time as this block's are
-        // read: a burst of every line at once overflows the core's miss queue.
         let next = table
             .get(j + 1)
             .map(|next| (base_of(next), bs.min(len - (j + 1) * bs)));
-        // Token-major: each token's K (then V) rows of every head the item holds are
-        // adjacent in the block, so the block is read front to back, as the hardware
-        // prefetchers follow; scores[qh * bs + t] for query head qh.
-        for t in t0..n {
-            if let Some((next, m)) = next {
-                if t < m {
-                    prefetch(job.k.row(next + t * ts, row));
-                }
-            }
-            let keys = job.k.row(base + t * ts, row);
-            for (qh, qg) in q.chunks_exact(d).enumerate() {
-                let key = &keys[qh / group * d..][..d];
-                let score = match E::bits(key) {
-                    Some(k) if DPBF16 => bf16::dot_dpbf16(&q_bits[qh * d..][..d], k),
-                    _ => dot::<AVX2, E>(qg, key),
-                };
-                s.scores[qh * bs + t] = score * job.scale;
-            }
+        for h in 0..heads {
+            let next_keys = next.map(|(nb, m)| rows(job.k, nb + h * d, ts, d, m));
+            let qb = if DPBF16 {
+                &q_bits[h * group_len..][..group_len]
+            } else {
+                q_bits
+            };
+            // SAFETY: the caller's ISA is `S`'s (and AVX512-BF16 with DPBF16).
+            unsafe {
+                block::scores::<S, DPBF16, E>(
+                    &q[h * group_len..][..group_len],
+                    qb,
+                    rows(job.k, base + h * d, ts, d, n),
+                    next_keys,
+                    t0,
+                    job.scale,
+                    &mut s.scores[h * group * bs..],
+                    bs,
+                )
+            };
         }
         for (qh, out) in out.chunks_exact_mut(d).enumerate() {
             let row = &mut s.scores[qh * bs + t0..qh * bs + n];
-            let block_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let block_max = exp::max_of(row);
             if block_max > s.max[qh] {
                 if s.max[qh] != f32::NEG_INFINITY {
-                    let c = (s.max[qh] - block_max).exp();
+                    let c = exp::exp_nonpositive::<S>(s.max[qh] - block_max);
                     s.sum[qh] *= c;
                     scale_in_place(out, c);
                 }
                 s.max[qh] = block_max;
             }
-            s.sum[qh] += exp_shifted_sum::<AVX2>(row, s.max[qh]);
+            s.sum[qh] += exp::exp_shifted_sum::<S>(row, s.max[qh]);
         }
-        for t in t0..n {
-            if let Some((next, m)) = next {
-                if t < m {
-                    prefetch(job.v.row(next + t * ts, row));
-                }
-            }
-            let values = job.v.row(base + t * ts, row);
-            for (qh, out) in out.chunks_exact_mut(d).enumerate() {
-                axpy::<AVX2, E>(s.scores[qh * bs + t], &values[qh / group * d..][..d], out);
-            }
+        for h in 0..heads {
+            let next_values = next.map(|(nb, m)| rows(job.v, nb + h * d, ts, d, m));
+            // SAFETY: as for the scores.
+            unsafe {
+                block::values::<S, E>(
+                    &s.scores[h * group * bs..],
+                    bs,
+                    rows(job.v, base + h * d, ts, d, n),
+                    next_values,
+                    t0,
+                    &mut out[h * group_len..][..group_len],
+                )
+            };
         }
     }
     for (out, sum) in out.chunks_exact_mut(d).zip(&s.sum) {
         scale_in_place(out, 1.0 / sum);
-    }
-}
-
-#[inline(always)]
-fn madd<const AVX2: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if AVX2 {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
-/// Dot product in 16 lanes: float addition is not associative, so the compiler
-/// vectorises a reduction only when it is written with explicit lanes.
-#[inline(always)]
-fn dot<const AVX2: bool, E: KvElem>(a: &[f32], b: &[E]) -> f32 {
-    let (ca, ra) = a.as_chunks::<16>();
-    let (cb, rb) = b.as_chunks::<16>();
-    let mut tail = 0.0;
-    for (x, y) in ra.iter().zip(rb) {
-        tail = madd::<AVX2>(*x, y.to_f32(), tail);
-    }
-    let mut acc = [0.0f32; 16];
-    for (x, y) in ca.iter().zip(cb) {
-        for i in 0..16 {
-            acc[i] = madd::<AVX2>(x[i], y[i].to_f32(), acc[i]);
-        }
-    }
-    sum_lanes::<AVX2>(&acc) + tail
-}
-
-/// The sum of 16 lanes. Written in plain Rust, every way of summing them either
-/// is a serial chain of 16 adds or leads LLVM's SLP vectoriser to split the
-/// whole dot product into 2-float vectors; so the AVX2 variant says it with
-/// intrinsics (a 4-step tree), and the portable one takes the chain.
-#[inline(always)]
-fn sum_lanes<const AVX2: bool>(acc: &[f32; 16]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if AVX2 {
-        use std::arch::x86_64::*;
-        // SAFETY: `AVX2` is true only in code compiled inside `attend_avx2_fma`,
-        // which runs only on CPUs with AVX2 (so AVX and SSE3); loads are in bounds.
-        unsafe {
-            let p = acc.as_ptr();
-            let v = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
-            let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-            return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-        }
-    }
-    acc.iter().sum()
-}
-
-/// Asks for `row` to be brought into L2 ahead of use: block ids are random, so
-/// the hardware prefetchers cannot guess where the next block is. (Into L2, not
-/// L1: measured 2x faster on a 39 MB working set, as L1 prefetches stall once the
-/// L1 miss buffers fill.)
-#[inline(always)]
-fn prefetch<E>(row: &[E]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in row.chunks(64 / std::mem::size_of::<E>()) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        // SAFETY: a prefetch is a hint; it never faults, and the address is in bounds.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
-    }
-}
-
-/// `out += a * x`.
-#[inline(always)]
-fn axpy<const AVX2: bool, E: KvElem>(a: f32, x: &[E], out: &mut [f32]) {
-    for (o, x) in out.iter_mut().zip(x) {
-        *o = madd::<AVX2>(a, x.to_f32(), *o);
     }
 }
 
@@ -715,55 +680,11 @@ fn scale_in_place(out: &mut [f32], c: f32) {
     }
 }
 
-/// Replaces each score `x` by `exp(x - max)` and returns their sum, 8 lanes at a
-/// time (see `dot` for why the sum is split).
-#[inline(always)]
-fn exp_shifted_sum<const AVX2: bool>(row: &mut [f32], max: f32) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let mut chunks = row.chunks_exact_mut(8);
-    for chunk in &mut chunks {
-        for i in 0..8 {
-            let e = exp_nonpositive::<AVX2>(chunk[i] - max);
-            chunk[i] = e;
-            lanes[i] += e;
-        }
-    }
-    let mut total = 0.0;
-    for x in chunks.into_remainder() {
-        *x = exp_nonpositive::<AVX2>(*x - max);
-        total += *x;
-    }
-    total + lanes.iter().sum::<f32>()
-}
-
-/// `exp(x)` for `x <= 0`, within 2e-7 relative error, branch-free so loops over
-/// it vectorise (libm's `expf` is a scalar call). Inputs below -87 (where the
-/// result leaves the normal range) give about 1.6e-38 instead of a smaller
-/// number: nothing next to the block's max term of 1.
-#[inline(always)]
-fn exp_nonpositive<const AVX2: bool>(x: f32) -> f32 {
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.max(-87.0);
-    // x = n ln2 + r, |r| <= ln2 / 2; exp(x) = 2^n exp(r).
-    let shifted = madd::<AVX2>(x, std::f32::consts::LOG2_E, ROUND);
-    let n = shifted - ROUND;
-    let r = madd::<AVX2>(-n, LN2_LO, madd::<AVX2>(-n, LN2_HI, x));
-    // Taylor terms to r^6: the truncation error is below |r|^7 / 7! < 1.3e-7.
-    let mut p = 1.0 / 720.0;
-    p = madd::<AVX2>(p, r, 1.0 / 120.0);
-    p = madd::<AVX2>(p, r, 1.0 / 24.0);
-    p = madd::<AVX2>(p, r, 1.0 / 6.0);
-    p = madd::<AVX2>(p, r, 0.5);
-    p = madd::<AVX2>(p, r, 1.0);
-    p = madd::<AVX2>(p, r, 1.0);
-    // The low bits of `shifted` hold n + 2^22; n is in -126..=0.
-    let n = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
-    p * f32::from_bits(((n + 127) as u32) << 23)
-}
-
 #[cfg(test)]
 pub(super) fn exp_for_tests(x: f32) -> (f32, f32) {
-    (exp_nonpositive::<false>(x), exp_nonpositive::<true>(x))
+    #[cfg(target_arch = "x86_64")]
+    let fused = exp::exp_nonpositive::<simd::Avx2>(x);
+    #[cfg(not(target_arch = "x86_64"))]
+    let fused = exp::exp_nonpositive::<simd::Portable>(x);
+    (exp::exp_nonpositive::<simd::Portable>(x), fused)
 }

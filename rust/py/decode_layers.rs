@@ -10,7 +10,7 @@ use pyo3::types::PyTuple;
 
 use super::kernels::{byte_range, data_ptr};
 use crate::error::Error;
-use crate::kernels::{decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, KvElem, LayerWeights};
+use crate::kernels::{decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, LayerWeights};
 
 /// A C-contiguous buffer of float32 or of bfloat16 bits (int16), any shape.
 pub(super) enum Buf {
@@ -241,7 +241,7 @@ impl DecodePlan {
 type Ints = (Vec<i64>, Vec<i64>, Vec<i64>);
 
 impl DecodePlan {
-    fn call<E: Elem, C: Elem + KvElem>(
+    fn call<E: Elem, C: Elem>(
         &self,
         py: Python<'_>,
         hidden: &Buf,

@@ -1,4 +1,5 @@
-//! Python binding of the row-wise RMSNorm kernels (`crate::kernels::elementwise`):
+//! Python binding of the row-wise RMSNorm and SiLU × up kernels
+//! (`crate::kernels::elementwise`, `silu_mul`):
 //! float32, or bfloat16 passed as int16 bits; inputs read in place, the output
 //! (and the residual, updated in place) written with the GIL released.
 
@@ -147,7 +148,31 @@ fn add_rms_norm(
     result.map_err(|e| Error::from(e).into())
 }
 
+/// `out = silu(gate) * up`, row by row: each row of `gate_up` holds a row's gate
+/// (`inter` elements) then its up.
+#[pyfunction(name = "_silu_mul")]
+fn silu_mul(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    gate_up: &Bound<'_, PyAny>,
+    inter: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [out, gate_up] = buffers([(out, "out"), (gate_up, "gate_up")], &[0])?;
+    let result = if out.is_bf16() {
+        // SAFETY: as `slice_mut`'s (the buffers checked by `buffers`).
+        let (o, g) = unsafe { (slice_mut::<u16>(&out), gate_up.slice::<u16>()) };
+        py.detach(|| kernels::silu_mul(g, o, inter, num_threads))
+    } else {
+        // SAFETY: as above.
+        let (o, g) = unsafe { (slice_mut::<f32>(&out), gate_up.slice::<f32>()) };
+        py.detach(|| kernels::silu_mul(g, o, inter, num_threads))
+    };
+    result.map_err(|e| Error::from(e).into())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
-    m.add_function(wrap_pyfunction!(add_rms_norm, m)?)
+    m.add_function(wrap_pyfunction!(add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_mul, m)?)
 }
