@@ -45,6 +45,32 @@ def test_silu_mul_gives_the_eager_result(dtype: torch.dtype, rows: int) -> None:
     torch.testing.assert_close(got, EAGER_OPS.silu_mul(gate_up), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_rotary_gives_the_eager_bits(dtype: torch.dtype, tokens: int) -> None:
+    """Rotary of the q and k heads read in place from the fused q/k/v output (a
+    strided view), and of a contiguous tensor: the same bits as the torch ops
+    (each product and sum rounded where they round, nothing fused)."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    cs = torch.randn(tokens, 2, head_dim // 2, generator=g).to(dtype)
+    cos, sin = cs[:, 0:1], cs[:, 1:2]
+    for x in (qk, qk.contiguous()):
+        got = native_ops.rotary(x, cos, sin)
+        assert got.shape == x.shape and got.is_contiguous()
+        assert torch.equal(got, EAGER_OPS.rotary(x, cos, sin))
+    # a view the kernel cannot read (partial rotary's slice) takes the torch ops
+    part = qk[..., :32]
+    torch.testing.assert_close(
+        native_ops.rotary(part, cos[..., :16], sin[..., :16]),
+        EAGER_OPS.rotary(part, cos[..., :16], sin[..., :16]),
+        rtol=0,
+        atol=0,
+    )
+
+
 def test_silu_mul_rows_do_not_depend_on_neighbours_or_threads() -> None:
     g = torch.Generator().manual_seed(1)
     gate_up = torch.randn(300, 2 * 80, generator=g).to(torch.bfloat16)
@@ -81,6 +107,8 @@ def test_bad_buffers_raise_and_write_nothing() -> None:
         _core._rms_norm(as_buffer(out), as_buffer(x), as_buffer(w.bfloat16()), 1e-6, 1)
     with pytest.raises(ValueError, match="overlap"):
         _core._rms_norm(as_buffer(x), as_buffer(x), as_buffer(w), 1e-6, 1)
+    with pytest.raises(ValueError, match="rotary"):
+        _core._rotary(as_buffer(out), as_buffer(x), as_buffer(w), as_buffer(w), 4, 7, 1)
     with pytest.raises(ValueError, match="gate and up halves"):
         _core._silu_mul(as_buffer(out), as_buffer(torch.randn(4, 8)), 8, 1)
     assert not out.any()

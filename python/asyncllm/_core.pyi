@@ -611,6 +611,21 @@ def _silu_mul(out: _Buffer, gate_up: _Buffer, inter: int, num_threads: int) -> N
     float32, or bfloat16 as int16 bits; out writable and apart from gate_up. Raises
     ValueError on mismatched sizes or dtypes."""
 
+def _rotary(
+    out: _Buffer,
+    x: _Buffer,
+    cos: _Buffer,
+    sin: _Buffer,
+    heads: int,
+    head_dim: int,
+    num_threads: int,
+) -> None:
+    """out[t, h] = rotate_half(x[t, h]) by cos[t], sin[t] (rust/kernels/rotary.rs):
+    the first `heads` heads of each row of x (T rows, T = len(cos) / (head_dim / 2),
+    rows of len(x) / T) into out [T, heads, head_dim]; each product and sum rounded
+    to the dtype as torch's ops round. float32, or bfloat16 as int16 bits; out
+    writable and apart from the inputs. Raises ValueError on mismatched sizes."""
+
 def _fma_peak(num_threads: int, iters: int) -> tuple[float, str]:
     """(float operations per second, ISA variant) of `num_threads` threads each
     running `iters` rounds of 12 independent vector fused multiply-adds: the CPU's

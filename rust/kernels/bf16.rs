@@ -24,14 +24,16 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 }
 
 /// f32 to bf16 bits, rounding to nearest even (as torch does); NaN stays NaN.
-#[inline]
+/// Branch-free (both results, then a select), so loops over it vectorise.
+#[inline(always)]
 pub fn f32_to_bf16(x: f32) -> u16 {
-    if x.is_nan() {
-        return 0x7fc0;
-    }
     let b = x.to_bits();
-    let round = 0x7fff + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if x.is_nan() {
+        0x7fc0
+    } else {
+        rounded
+    }
 }
 
 /// The most the kernel may use, from `ASYNCLLM_KERNEL_ISA` (read once).

@@ -19,6 +19,7 @@ mod linear_dpbf16;
 mod linear_simd;
 mod paged_attention;
 mod peak;
+mod rotary;
 mod silu_mul;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
 pub(crate) mod team;
@@ -40,6 +41,7 @@ pub use paged_attention::{
     KvCache,
 };
 pub use peak::{fma_peak, read_bandwidth};
+pub use rotary::{rotary, RotaryShape};
 pub use silu_mul::silu_mul;
 
 /// An argument a kernel cannot work with. Every check runs before any output is

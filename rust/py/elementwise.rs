@@ -1,5 +1,5 @@
-//! Python binding of the row-wise RMSNorm and SiLU × up kernels
-//! (`crate::kernels::elementwise`, `silu_mul`):
+//! Python binding of the row-wise RMSNorm, SiLU × up and rotary kernels
+//! (`crate::kernels::elementwise`, `silu_mul`, `rotary`):
 //! float32, or bfloat16 passed as int16 bits; inputs read in place, the output
 //! (and the residual, updated in place) written with the GIL released.
 
@@ -171,7 +171,55 @@ fn silu_mul(
     result.map_err(|e| Error::from(e).into())
 }
 
+/// `out[t, h] = rotate_half(x[t, h])` by `cos[t]`, `sin[t]` for the first
+/// `heads` heads of each row of `x` (rows of `len(x) / T`, T = rows of cos).
+#[pyfunction(name = "_rotary")]
+#[allow(clippy::too_many_arguments)] // the op's operands, all distinct
+fn rotary(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+    heads: usize,
+    head_dim: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [out, x, cos, sin] = buffers([(out, "out"), (x, "x"), (cos, "cos"), (sin, "sin")], &[0])?;
+    let rows = cos.len() / (head_dim / 2).max(1);
+    let shape = kernels::RotaryShape {
+        row_len: x.len().checked_div(rows).unwrap_or(0),
+        heads,
+        head_dim,
+    };
+    let result = if out.is_bf16() {
+        // SAFETY: as `slice_mut`'s (the buffers checked by `buffers`).
+        let (o, x, c, s) = unsafe {
+            (
+                slice_mut::<u16>(&out),
+                x.slice::<u16>(),
+                cos.slice::<u16>(),
+                sin.slice::<u16>(),
+            )
+        };
+        py.detach(|| kernels::rotary(shape, x, c, s, o, num_threads))
+    } else {
+        // SAFETY: as above.
+        let (o, x, c, s) = unsafe {
+            (
+                slice_mut::<f32>(&out),
+                x.slice::<f32>(),
+                cos.slice::<f32>(),
+                sin.slice::<f32>(),
+            )
+        };
+        py.detach(|| kernels::rotary(shape, x, c, s, o, num_threads))
+    };
+    result.map_err(|e| Error::from(e).into())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(rotary, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(silu_mul, m)?)
