@@ -26,8 +26,10 @@ from asyncllm.server.handlers import Handlers
 from asyncllm.server.limits import Admission
 from asyncllm.server.metrics import ServerMetrics, StatsLogger
 from asyncllm.server.protocol import APIError
+from asyncllm.server.response_store import ResponseStore
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.token_text import TokenText
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     token_text = TokenText(tok)
     completions = CompletionServing(engine, config, metrics, admission, token_text)
     chat = ChatServing(engine, config, metrics, template, admission, token_text)
-    h = Handlers(engine, config, metrics, completions, chat)
+    store = None
+    if config.enable_store:
+        store = ResponseStore(config.max_stored_responses, config.max_response_store_bytes)
+    responses = ResponsesServing(chat, store)
+    h = Handlers(engine, config, metrics, completions, chat, responses)
     stats_logger = StatsLogger(metrics)
 
     @contextlib.asynccontextmanager
@@ -63,6 +69,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     routes = [
         Route("/v1/completions", h.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", h.create_chat_completion, methods=["POST"]),
+        Route("/v1/responses", h.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", h.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", h.delete_response, methods=["DELETE"]),
         Route("/v1/models", h.list_models, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.get_metrics, methods=["GET"]),
