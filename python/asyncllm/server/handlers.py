@@ -25,11 +25,13 @@ from asyncllm.server.protocol import (
     bad_request,
     parse_body,
 )
+from asyncllm.server.protocol_messages import CountTokensRequest, MessagesRequest
 from asyncllm.server.protocol_responses import ResponsesRequest
 from asyncllm.server.response_store import scope_of
 from asyncllm.server.serving_base import off_loop
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_messages import MessagesServing
 from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.serving_tools import template_tools
 
@@ -58,6 +60,7 @@ class Handlers:
         completions: CompletionServing,
         chat: ChatServing,
         responses: ResponsesServing,
+        messages: MessagesServing,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -65,6 +68,7 @@ class Handlers:
         self.completions = completions
         self.chat = chat
         self.responses = responses
+        self.messages = messages
 
     async def core_stats(self) -> dict[str, Any] | None:
         try:
@@ -91,6 +95,14 @@ class Handlers:
     async def delete_response(self, request: Request) -> Response:
         done = self.responses.delete(_scope(request), request.path_params["response_id"])
         return json_response(done)
+
+    async def create_message(self, request: Request) -> Response:
+        req = parse_body(MessagesRequest, await request.body())
+        return await self.messages.create(req, request.receive)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        req = parse_body(CountTokensRequest, await request.body())
+        return json_response(await self.messages.count_tokens(req))
 
     async def list_models(self, request: Request) -> Response:
         """The served names only: the model's local path stays private."""
