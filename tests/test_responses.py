@@ -246,3 +246,51 @@ def test_store_off_refuses_previous_response_id(tmp_path):
     req = ResponsesRequest(input="x", previous_response_id="resp_1")
     with pytest.raises(Exception, match="--enable-store"):
         serving._history(req, "scope")
+
+
+# -- chat on the same server: reasoning_content, and tool calls after reasoning --------
+
+THINK_THEN_CALL = (
+    r'<think>[a-z ]{1,12}</think>\n<tool_call>\n\{"name": "get_time", "arguments": '
+    r'\{"zone": [1-9]\}\}\n</tool_call>'
+)
+
+
+def test_chat_reasoning_then_tool_call_streamed_and_not(client):
+    """With the qwen3 parser and tools "auto", `<think>` goes to
+    reasoning_content and the call after it to tool_calls; streamed through the
+    real tokenizer's splits, the deltas add up to the same."""
+    kw = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Time in zone 3?"}],
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "tools": TOOLS,
+        "extra_body": {"structured_outputs": {"regex": THINK_THEN_CALL}},
+    }
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert re.fullmatch(r"[a-z ]{1,12}", msg.model_extra["reasoning_content"])
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] >= 1
+    assert msg.content is None and whole.choices[0].finish_reason == "tool_calls"
+    reasoning, args, content, finish = "", "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+            for piece in delta.tool_calls or []:
+                args += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert reasoning == msg.model_extra["reasoning_content"]
+    assert (args, content, finish) == (call.function.arguments, "", "tool_calls")
+    r = create(
+        client,
+        tools=FN_TOOLS,
+        input="Time in zone 3?",
+        max_output_tokens=64,
+        extra_body={"structured_outputs": {"regex": THINK_THEN_CALL}},
+    )
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert r.output[1].arguments == call.function.arguments
