@@ -223,6 +223,7 @@ def test_bad_requests_name_the_field(client, server):
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": FN_TOOLS}, "nope"),
         ({"max_output_tokens": 10**6}, "max_completion_tokens"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata has 17 keys"),
     ]
     for kw, needle in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -294,3 +295,16 @@ def test_chat_reasoning_then_tool_call_streamed_and_not(client):
     )
     assert [o.type for o in r.output] == ["reasoning", "function_call"]
     assert r.output[1].arguments == call.function.arguments
+
+
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_bench_serving_speaks_the_endpoint(server, endpoint, capsys):
+    from asyncllm.cli.main import main
+
+    argv = ["bench", "serving", "--base-url", server.url, "--endpoint", endpoint]
+    argv += ["--num-prompts", "4", "--output-len", "4", "--max-concurrency", "2", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["completed"] == 4 and result["failed"] == 0, result["first_error"]
+    assert result["total_output_tokens"] == 16
+    assert result["ttft_ms"]["median"] > 0 and result["itl_ms"]["p99"] > 0

@@ -58,6 +58,7 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None  # accepted: reasoning is the server's parser's
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extras
+    ignore_eos: bool = False
     structured_outputs: dict[str, Any] | None = None
 
     def function_tools(self) -> list[dict[str, Any]] | None:
@@ -156,6 +157,12 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
             calls.append({"id": str(block.get("id")), "type": "function", "function": fn})
         elif kind == "tool_result" and role == "user":
             content = block.get("content", "")
+            if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+                raise bad_request(
+                    f"{at}.content has {len(content)} blocks; at most {MAX_CONTENT_PARTS} "
+                    "are accepted",
+                    "messages",
+                )
             if isinstance(content, list):
                 content = "".join(_block_text(b, at) for b in content)
             results.append(
@@ -196,5 +203,6 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
         "stream": req.stream,
         "chat_template_kwargs": req.chat_template_kwargs,
         "structured_outputs": req.structured_outputs,
+        "ignore_eos": req.ignore_eos,
     }
     return {k: v for k, v in body.items() if v is not None}

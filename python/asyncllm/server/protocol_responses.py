@@ -20,6 +20,10 @@ from asyncllm.server.protocol_tools import MAX_TOOLS
 # Input items one request may send; a static bound so that pydantic stops at the
 # first one over (--max-response-input-items then bounds input and history).
 MAX_INPUT_ITEMS = 4096
+# OpenAI's bounds on `metadata`, which is echoed and stored with the response.
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -43,7 +47,24 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extras
+    ignore_eos: bool = False
     structured_outputs: dict[str, Any] | None = None
+
+    def check_metadata(self) -> None:
+        """`metadata` within OpenAI's bounds (keys, key and value lengths)."""
+        meta = self.metadata or {}
+        if len(meta) > MAX_METADATA_KEYS:
+            raise bad_request(
+                f"metadata has {len(meta)} keys; at most {MAX_METADATA_KEYS} are accepted",
+                "metadata",
+            )
+        for key, value in meta.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise bad_request(
+                    f"metadata: keys have at most {MAX_METADATA_KEY_CHARS} characters and "
+                    f"values at most {MAX_METADATA_VALUE_CHARS}",
+                    "metadata",
+                )
 
     def function_tools(self) -> list[dict[str, Any]] | None:
         """`tools` in their chat form; a 400 for a tool type this server lacks."""
@@ -201,6 +222,7 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
         "stream": req.stream,
         "chat_template_kwargs": req.chat_template_kwargs,
         "structured_outputs": req.structured_outputs,
+        "ignore_eos": req.ignore_eos,
     }
     return {k: v for k, v in body.items() if v is not None}
 

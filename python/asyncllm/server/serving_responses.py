@@ -71,6 +71,7 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, receive: Any, scope: str) -> Response:
         chat = self.chat
+        req.check_metadata()
         messages = self._history(req, scope) + input_messages(req.input)
         limit = self.config.max_response_input_items
         if len(messages) > limit:
