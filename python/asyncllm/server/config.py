@@ -40,7 +40,6 @@ LIMIT_HELP: dict[str, str] = {
     "max_response_store_bytes": "bytes of stored responses together (with --enable-store)",
     "max_response_input_items": "items in a /v1/responses input (with the conversation "
     "of previous_response_id) or messages in a /v1/messages request",
-    "max_embedding_inputs": "inputs in one /v1/embeddings request",
 }
 
 
@@ -83,7 +82,6 @@ class ServerConfig:
     max_stored_responses: int = 1000
     max_response_store_bytes: int = 64 * MiB
     max_response_input_items: int = 1024
-    max_embedding_inputs: int = 256
 
     def __post_init__(self) -> None:
         self.validate()
