@@ -52,7 +52,8 @@ def add_parser(sub: Any) -> None:
         "--tool-call-parser",
         default="hermes",
         help="how tool calls are read from the model's output with tool_choice 'auto' "
-        "(known: hermes, for Hermes and Qwen models; default: hermes)",
+        "(known: hermes, for Hermes and Qwen models; llama3_json, for Llama 3.x; "
+        "default: hermes)",
     )
     s.add_argument(
         "--reasoning-parser",
