@@ -203,6 +203,9 @@ def test_store_previous_response_get_delete_scoped_per_key(client, server):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    events = list(create(client, input="Streamed and stored", stream=True))
+    streamed_id = events[-1].response.id
+    assert client.responses.retrieve(streamed_id).output_text == events[-1].response.output_text
     unstored = create(client, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)

@@ -135,15 +135,17 @@ class ResponsesServing:
             yield event
         try:
             async for item in run_turn(self.chat, prep, builder.head["id"]):
-                events = builder.end(item) if isinstance(item, TurnEnd) else builder.delta(item)
+                if not isinstance(item, TurnEnd):
+                    events = builder.delta(item)
+                else:  # kept before the last event: a client may leave once it has it
+                    events = builder.end(item)
+                    if builder.head["store"]:
+                        self._keep(scope, builder, messages)
                 for event in events:
                     yield event
         except APIError as exc:
             error = {"type": "error", "code": str(exc.code or exc.status), "message": exc.message}
             yield sse("error", {**error, "param": exc.param, "sequence_number": 0})
-            return
-        if builder.head["store"]:
-            self._keep(scope, builder, messages)
 
     def _keep(self, scope: str, builder: ResponseBuilder, messages: list[dict[str, Any]]) -> None:
         """Store a finished response (one too large to ever fit is not kept)."""
