@@ -205,3 +205,16 @@ def test_errors_in_anthropic_shape(client, server):
         {"Authorization": f"Bearer {KEY}"},
     )
     assert status == 400 and body["type"] == "error" and "max_tokens" in body["error"]["message"]
+
+
+def test_thinking_reaches_the_template_as_enable_thinking():
+    from asyncllm.server.protocol_messages import MessagesRequest, template_kwargs
+
+    def kwargs(**kw: Any) -> Any:
+        return template_kwargs(MessagesRequest(max_tokens=1, messages=USER, **kw))
+
+    assert kwargs() is None
+    assert kwargs(thinking={"type": "enabled", "budget_tokens": 1024}) == {"enable_thinking": True}
+    assert kwargs(thinking={"type": "disabled"}) == {"enable_thinking": False}
+    explicit = {"enable_thinking": True, "x": 1}
+    assert kwargs(thinking={"type": "disabled"}, chat_template_kwargs=explicit) == explicit

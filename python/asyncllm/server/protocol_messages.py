@@ -56,7 +56,8 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted: reasoning is the server's parser's
+    # {"type": "enabled" | "disabled"}: the template's `enable_thinking` (Qwen3's)
+    thinking: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extras
     ignore_eos: bool = False
     structured_outputs: dict[str, Any] | None = None
@@ -186,6 +187,15 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
+def template_kwargs(req: MessagesRequest) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, with `thinking` as `enable_thinking` unless given."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    kind = (req.thinking or {}).get("type")
+    if kind in ("enabled", "disabled") and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = kind == "enabled"
+    return kwargs or None
+
+
 def chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The chat request that runs `req`."""
     choice, parallel = req.chat_tool_choice()
@@ -201,7 +211,7 @@ def chat_body(req: MessagesRequest) -> dict[str, Any]:
         "tool_choice": choice,
         "parallel_tool_calls": parallel,
         "stream": req.stream,
-        "chat_template_kwargs": req.chat_template_kwargs,
+        "chat_template_kwargs": template_kwargs(req),
         "structured_outputs": req.structured_outputs,
         "ignore_eos": req.ignore_eos,
     }
