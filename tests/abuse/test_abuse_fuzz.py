@@ -238,6 +238,7 @@ def bodies(
     required: str,
     fields: dict[str, st.SearchStrategy[Any]],
     valid: st.SearchStrategy[Any] | None = None,
+    also_valid: dict[str, st.SearchStrategy[Any]] | None = None,
 ) -> st.SearchStrategy[bytes]:
     """Request bodies: mostly an object with the `required` field and a few others
     (few, so that many bodies are valid and reach the engine), now and then an
@@ -256,6 +257,8 @@ def bodies(
             body.update(draw(st.dictionaries(st.text(max_size=8), json_values, max_size=2)))
         if kind >= 12:  # a valid prompt or conversation, so the other fields matter
             body[required] = draw(valid if valid is not None else VALID[required])
+            for name, strategy in (also_valid or {}).items():  # other required fields
+                body[name] = draw(strategy)
         elif kind != 3:
             body[required] = draw(either(fields[required]))
         for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
@@ -362,7 +365,7 @@ def test_fuzz_responses(server, body: bytes):
 
 
 @fuzz_settings
-@given(body=bodies("messages", MESSAGES, VALID_MESSAGES))
+@given(body=bodies("messages", MESSAGES, VALID_MESSAGES, {"max_tokens": st.integers(1, 8)}))
 def test_fuzz_messages(server, body: bytes):
     reply = post(server.port, "/v1/messages", body)
     if reply.status >= 400:
