@@ -311,3 +311,29 @@ def test_bench_serving_speaks_the_endpoint(server, endpoint, capsys):
     assert result["completed"] == 4 and result["failed"] == 0, result["first_error"]
     assert result["total_output_tokens"] == 16
     assert result["ttft_ms"]["median"] > 0 and result["itl_ms"]["p99"] > 0
+
+
+def test_chat_reasoning_without_tools_n2(client):
+    """No tools: reasoning_content and content per choice, whole and streamed."""
+    kw = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Think, then answer."}],
+        "max_tokens": 40,
+        "n": 2,
+        "seed": 3,
+        "temperature": 1.0,
+        "extra_body": {"structured_outputs": {"regex": THINK}},
+    }
+    whole = client.chat.completions.create(**kw)
+    want = {
+        c.index: (c.message.model_extra["reasoning_content"], c.message.content)
+        for c in whole.choices
+    }
+    assert all(re.fullmatch(r"[a-z ]{1,12}", r) and "<" not in c for r, c in want.values())
+    got: dict[int, list[str]] = {0: ["", ""], 1: ["", ""]}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            got[choice.index][0] += extra.get("reasoning_content") or ""
+            got[choice.index][1] += choice.delta.content or ""
+    assert {i: tuple(v) for i, v in got.items()} == want
