@@ -225,7 +225,7 @@ def test_bad_requests_name_the_field(client, server):
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": FN_TOOLS}, "nope"),
-        ({"max_output_tokens": 10**6}, "max_completion_tokens"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens=1000000 is too large"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata has 17 keys"),
     ]
     for kw, needle in cases:

@@ -24,7 +24,7 @@ from asyncllm.server.protocol import APIError
 from asyncllm.server.protocol_messages import MessagesRequest, anthropic_error_body, chat_body
 from asyncllm.server.responses_output import item_id, sse
 from asyncllm.server.serving_chat import ChatServing, Prepared
-from asyncllm.server.serving_responses import to_chat_request
+from asyncllm.server.serving_responses import prepare_as, to_chat_request
 from asyncllm.server.serving_tools import plan_tools
 from asyncllm.server.sse import SSEResponse, run_until_disconnect
 from asyncllm.server.tool_parsers import ToolCallDelta
@@ -169,7 +169,7 @@ class MessagesServing:
 
     async def create(self, req: MessagesRequest, receive: Any) -> Response:
         chat = self.chat
-        prep = await chat.prepare(self._chat_request(req))
+        prep = await prepare_as(chat, self._chat_request(req), {"stop": "stop_sequences"})
         chat.check_engine()
         ticket = chat.admission.admit(1)
         builder = MessageBuilder(item_id("msg"), chat.model_name, len(prep.ids))

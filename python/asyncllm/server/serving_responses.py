@@ -8,6 +8,7 @@ for GET and for a later request's `previous_response_id`."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +33,29 @@ from asyncllm.server.sse import SSEResponse, run_until_disconnect
 from asyncllm.server.turn import TurnEnd, run_turn
 
 JSON = "application/json"
+
+
+# The chat fields a translated request fills, by the name its client sent.
+_RESPONSES_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+}
+
+
+async def prepare_as(
+    chat: ChatServing, req: ChatCompletionRequest, names: dict[str, str]
+) -> Prepared:
+    """`chat.prepare(req)`, its errors naming the fields as the client's API
+    spells them (`max_output_tokens`, not the chat field it was translated to)."""
+    try:
+        return await chat.prepare(req)
+    except APIError as exc:
+        for chat_name, name in names.items():  # the word, never part of a flag's name
+            exc.message = re.sub(rf"(?<![\w-]){chat_name}(?![\w-])", name, exc.message, count=1)
+        if exc.param in names:
+            exc.param = names[exc.param]
+        raise
 
 
 def to_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -77,7 +101,7 @@ class ResponsesServing:
         if len(messages) > limit:
             raise over_limit("input", "items", len(messages), "max_response_input_items", limit)
         chat_req = to_chat_request(chat_body(req, messages))
-        prep = await chat.prepare(chat_req)
+        prep = await prepare_as(chat, chat_req, _RESPONSES_NAMES)
         chat.check_engine()
         ticket = chat.admission.admit(1)
         store = req.store and self.store is not None
