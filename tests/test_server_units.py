@@ -94,6 +94,8 @@ def test_every_limit_is_a_documented_flag():
         "chat_template",
         "trust_request_chat_template",
         "tool_call_parser",
+        "reasoning_parser",
+        "enable_store",
         "shutdown_timeout",
         "stats_interval",
     }

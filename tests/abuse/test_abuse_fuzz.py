@@ -1,10 +1,13 @@
-"""Property-based fuzz of request bodies for /v1/completions and
-/v1/chat/completions against a real `asyncllm serve` (asyncllm-tiny with a 32-token
-context and small limits, so that any request it accepts is quick). Every field
+"""Property-based fuzz of request bodies for /v1/completions,
+/v1/chat/completions, /v1/responses and /v1/messages against a real `asyncllm
+serve` (asyncllm-tiny with a 32-token context and small limits, so that any
+request it accepts is quick). Every field
 gets either a plausible value or a JSON value of any shape and type; some bodies
 are not objects or not JSON at all. Whatever comes: never a 5xx, never a hang
-(each request has a deadline), an OpenAI error body for every 4xx, a whole
-response for every 200 (a stream ends with [DONE] and carries no error event);
+(each request has a deadline), an error body in the endpoint's API's shape for
+every 4xx, a whole response for every 200 (a stream ends with its API's last
+event — [DONE], response.completed / .incomplete, message_stop — and carries no
+error event);
 afterwards the server is healthy with nothing running and no KV block in use.
 
 The examples are derandomized so CI is reproducible; set ABUSE_FUZZ_SEED to
@@ -132,6 +135,91 @@ CHAT = {
     ),
 }
 
+# /v1/responses: input items of every kind, right and wrong
+response_item = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["message", "function_call", "function_call_output", "reasoning", "x"]
+        )
+    },
+    optional={
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+        "content": small_text | json_values,
+        "call_id": small_text,
+        "name": small_text,
+        "arguments": small_text,
+        "output": small_text | json_values,
+    },
+)
+RESPONSES = {
+    "model": SAMPLING["model"],
+    "input": small_text | st.lists(response_item, max_size=5),
+    "instructions": small_text,
+    "max_output_tokens": counts,
+    "temperature": SAMPLING["temperature"],
+    "top_p": SAMPLING["top_p"],
+    "text": st.fixed_dictionaries(
+        {
+            "format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_object", "yaml"])}
+            )
+        }
+    ),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"]), "name": small_text},
+            optional={"parameters": json_values},
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_values,
+    "parallel_tool_calls": st.booleans(),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": small_text,
+    "metadata": st.dictionaries(st.text(max_size=70), st.text(max_size=600), max_size=20),
+}
+# /v1/messages: content blocks of every kind, in either role
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"])},
+    optional={
+        "text": small_text,
+        "id": small_text,
+        "name": small_text,
+        "input": json_values,
+        "tool_use_id": small_text,
+        "content": small_text | json_values,
+    },
+)
+MESSAGES = {
+    "model": SAMPLING["model"],
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system"])},
+            optional={"content": small_text | st.lists(block, max_size=3) | json_values},
+        ),
+        max_size=6,
+    ),
+    "max_tokens": counts,
+    "system": small_text | st.lists(block, max_size=2),
+    "stop_sequences": st.lists(st.text(max_size=40), max_size=6),
+    "temperature": SAMPLING["temperature"],
+    "top_p": SAMPLING["top_p"],
+    "top_k": SAMPLING["top_k"],
+    "tools": st.lists(
+        st.fixed_dictionaries({"name": small_text}, optional={"input_schema": json_values}),
+        max_size=2,
+    ),
+    "tool_choice": st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+        optional={"name": small_text, "disable_parallel_tool_use": st.booleans()},
+    ),
+    "stream": st.booleans(),
+}
+VALID_MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.just("user"), "content": small_text}), min_size=1, max_size=3
+)
+
 
 VALID = {
     "prompt": small_text | st.lists(st.integers(min_value=0, max_value=VOCAB - 1), min_size=1),
@@ -142,10 +230,16 @@ VALID = {
         min_size=1,
         max_size=4,
     ),
+    "input": small_text,
 }
 
 
-def bodies(required: str, fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[bytes]:
+def bodies(
+    required: str,
+    fields: dict[str, st.SearchStrategy[Any]],
+    valid: st.SearchStrategy[Any] | None = None,
+    also_valid: dict[str, st.SearchStrategy[Any]] | None = None,
+) -> st.SearchStrategy[bytes]:
     """Request bodies: mostly an object with the `required` field and a few others
     (few, so that many bodies are valid and reach the engine), now and then an
     unknown key; sometimes any JSON value or any bytes."""
@@ -162,7 +256,9 @@ def bodies(required: str, fields: dict[str, st.SearchStrategy[Any]]) -> st.Searc
         if kind == 2:
             body.update(draw(st.dictionaries(st.text(max_size=8), json_values, max_size=2)))
         if kind >= 12:  # a valid prompt or conversation, so the other fields matter
-            body[required] = draw(VALID[required])
+            body[required] = draw(valid if valid is not None else VALID[required])
+            for name, strategy in (also_valid or {}).items():  # other required fields
+                body[name] = draw(strategy)
         elif kind != 3:
             body[required] = draw(either(fields[required]))
         for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
@@ -175,12 +271,18 @@ def bodies(required: str, fields: dict[str, st.SearchStrategy[Any]]) -> st.Searc
 # -- checks -------------------------------------------------------------------------------
 
 
-def check(reply: Reply, body: bytes) -> None:
+def answered(reply: Reply, body: bytes) -> None:
+    """An answer, whole, and not a 5xx."""
     event(f"status {reply.status}{' streamed' if reply.events else ''}")
     shown = body[:300]
     assert reply.status != 0, f"no answer: {reply.body!r} to {shown!r}"
     assert reply.status < 500, f"{reply.status} {reply.body[:300]!r} to {shown!r}"
     assert reply.complete, f"cut off mid-body: {reply.body[-300:]!r} to {shown!r}"
+
+
+def check(reply: Reply, body: bytes) -> None:
+    answered(reply, body)
+    shown = body[:300]
     if reply.status >= 400:
         error = reply.error()
         assert set(error) == {"message", "type", "param", "code"}, error
@@ -235,6 +337,41 @@ def test_fuzz_completions(server, body: bytes):
 @given(body=bodies("messages", {**SAMPLING, **CHAT}))
 def test_fuzz_chat(server, body: bytes):
     check(post(server.port, "/v1/chat/completions", body), body)
+
+
+def check_turn(reply: Reply, body: bytes, last: tuple[str, ...], whole: str) -> None:
+    """/v1/responses and /v1/messages: a stream of typed events ending with one
+    of `last`, no error event; a whole reply with `whole`."""
+    answered(reply, body)
+    if reply.status >= 400:
+        return
+    assert reply.status == 200, reply
+    if reply.events:
+        kinds = [json.loads(data)["type"] for data in reply.events]
+        assert "error" not in kinds, reply.events[-3:]
+        assert kinds[-1] in last, kinds[-3:]
+    else:
+        assert whole in reply.json(), reply.body[:300]
+
+
+@fuzz_settings
+@given(body=bodies("input", RESPONSES))
+def test_fuzz_responses(server, body: bytes):
+    reply = post(server.port, "/v1/responses", body)
+    if reply.status >= 400:
+        error = reply.error()
+        assert set(error) == {"message", "type", "param", "code"}, error
+    check_turn(reply, body, ("response.completed", "response.incomplete"), "output")
+
+
+@fuzz_settings
+@given(body=bodies("messages", MESSAGES, VALID_MESSAGES, {"max_tokens": st.integers(1, 8)}))
+def test_fuzz_messages(server, body: bytes):
+    reply = post(server.port, "/v1/messages", body)
+    if reply.status >= 400:
+        payload = reply.json()
+        assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}
+    check_turn(reply, body, ("message_stop",), "content")
 
 
 def test_healthy_after_the_fuzz(server):

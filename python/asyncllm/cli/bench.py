@@ -48,7 +48,12 @@ def add_parser(sub: Any) -> None:
     s = kinds.add_parser("serving", help="load-test an OpenAI-compatible server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL")
     s.add_argument("--model", default=None, help="model name (default: the first /v1/models)")
-    s.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    s.add_argument(
+        "--endpoint",
+        choices=("completions", "chat", "responses", "messages"),
+        default="completions",
+        help="/v1/completions, /v1/chat/completions, /v1/responses or /v1/messages",
+    )
     s.add_argument("--num-prompts", type=int, default=200, help="requests to send")
     s.add_argument("--input-len", type=int, default=32, help="prompt words per request")
     s.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
@@ -127,8 +132,41 @@ def make_prompt(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
+_URLS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+
+
+def _read_event(endpoint: str, body: dict[str, Any]) -> tuple[str | None, int | None]:
+    """(the text piece, the output tokens of a usage report) of one streamed
+    event of `endpoint`."""
+    if endpoint == "responses":
+        kind = body.get("type")
+        if kind == "response.output_text.delta":
+            return body["delta"], None
+        if kind in ("response.completed", "response.incomplete"):
+            return None, body["response"]["usage"]["output_tokens"]
+        return None, None
+    if endpoint == "messages":
+        kind = body.get("type")
+        if kind == "content_block_delta":
+            return body["delta"].get("text"), None
+        if kind == "message_delta":
+            return None, body["usage"]["output_tokens"]
+        return None, None
+    tokens = body["usage"]["completion_tokens"] if body.get("usage") else None
+    choices = body.get("choices") or []
+    if not choices:
+        return None, tokens
+    chat = endpoint == "chat"
+    return (choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")), tokens
+
+
 async def _one_request(
-    session: Any, url: str, payload: dict[str, Any], chat: bool
+    session: Any, url: str, payload: dict[str, Any], endpoint: str
 ) -> RequestResult:
     result = RequestResult()
     start = time.perf_counter()
@@ -146,15 +184,9 @@ async def _one_request(
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
-                body = json.loads(data)
-                if body.get("usage"):
-                    result.output_tokens = body["usage"]["completion_tokens"]
-                choices = body.get("choices") or []
-                if not choices:
-                    continue
-                piece = (
-                    choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")
-                )
+                piece, tokens = _read_event(endpoint, json.loads(data))
+                if tokens:
+                    result.output_tokens = tokens
                 if not piece:
                     continue
                 now = time.perf_counter()
@@ -173,6 +205,26 @@ async def _one_request(
     return result
 
 
+def _payload(ns: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+    """One streamed request of `ns.endpoint` for `prompt`, run to `ns.output_len`."""
+    body: dict[str, Any] = {
+        "model": model,
+        "ignore_eos": True,
+        "stream": True,
+        **optional_sampling_args(ns),
+    }
+    if ns.endpoint == "responses":
+        return {**body, "input": prompt, "max_output_tokens": ns.output_len}
+    body["max_tokens"] = ns.output_len
+    if ns.endpoint in ("chat", "messages"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if ns.endpoint != "messages":
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
 async def bench_serving(ns: argparse.Namespace) -> dict[str, Any]:
     import aiohttp
 
@@ -187,30 +239,14 @@ async def bench_serving(ns: argparse.Namespace) -> dict[str, Any]:
         if model is None:
             async with session.get(base + "/v1/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
-        chat = ns.endpoint == "chat"
-        url = base + ("/v1/chat/completions" if chat else "/v1/completions")
+        url = base + _URLS[ns.endpoint]
         rng = random.Random(ns.seed)
         prompts = [make_prompt(rng, ns.input_len) for _ in range(ns.num_prompts)]
         limit = asyncio.Semaphore(ns.max_concurrency)
 
-        def payload(prompt: str) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "model": model,
-                "max_tokens": ns.output_len,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                **optional_sampling_args(ns),
-            }
-            if chat:
-                body["messages"] = [{"role": "user", "content": prompt}]
-            else:
-                body["prompt"] = prompt
-            return body
-
         async def limited(prompt: str) -> RequestResult:
             async with limit:
-                return await _one_request(session, url, payload(prompt), chat)
+                return await _one_request(session, url, _payload(ns, model, prompt), ns.endpoint)
 
         start = time.perf_counter()
         tasks = []

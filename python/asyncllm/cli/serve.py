@@ -52,7 +52,22 @@ def add_parser(sub: Any) -> None:
         "--tool-call-parser",
         default="hermes",
         help="how tool calls are read from the model's output with tool_choice 'auto' "
-        "(known: hermes, for Hermes and Qwen models; default: hermes)",
+        "(known: hermes, for Hermes and Qwen models; llama3_json, for Llama 3.x; "
+        "pythonic, [f(x=1), ...] lists; default: hermes)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a reasoning model's <think>...</think> off its answer: into "
+        "reasoning_content (chat), reasoning items (responses), thinking blocks "
+        "(messages) (known: deepseek_r1, qwen3; default: none)",
+    )
+    s.add_argument(
+        "--enable-store",
+        action="store_true",
+        help="keep /v1/responses results asked to be stored (store, previous_response_id, "
+        "GET/DELETE /v1/responses/ID), in memory, per API key, within "
+        "--max-stored-responses and --max-response-store-bytes",
     )
     s.add_argument(
         "--shutdown-timeout",
@@ -76,6 +91,7 @@ def run(ns: argparse.Namespace) -> int:
     from asyncllm import envs
     from asyncllm.server.config import LIMIT_HELP, ServerConfig
     from asyncllm.server.launch import run_server
+    from asyncllm.server.reasoning import get_reasoning_parser
     from asyncllm.server.tool_parsers import get_tool_parser
 
     try:
@@ -86,11 +102,14 @@ def run(ns: argparse.Namespace) -> int:
             chat_template=ns.chat_template,
             trust_request_chat_template=ns.trust_request_chat_template,
             tool_call_parser=ns.tool_call_parser,
+            reasoning_parser=ns.reasoning_parser,
+            enable_store=ns.enable_store,
             shutdown_timeout=ns.shutdown_timeout,
             stats_interval=ns.stats_interval,
             **{name: getattr(ns, name) for name in LIMIT_HELP},
         )
         get_tool_parser(config.tool_call_parser)
+        get_reasoning_parser(config.reasoning_parser)
     except ConfigError as exc:
         raise SystemExit(f"asyncllm serve: {exc}") from None
     return run_server(

@@ -26,8 +26,11 @@ from asyncllm.server.handlers import Handlers
 from asyncllm.server.limits import Admission
 from asyncllm.server.metrics import ServerMetrics, StatsLogger
 from asyncllm.server.protocol import APIError
+from asyncllm.server.response_store import ResponseStore
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_messages import MessagesServing
+from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.token_text import TokenText
 
 logger = logging.getLogger(__name__)
@@ -48,7 +51,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     token_text = TokenText(tok)
     completions = CompletionServing(engine, config, metrics, admission, token_text)
     chat = ChatServing(engine, config, metrics, template, admission, token_text)
-    h = Handlers(engine, config, metrics, completions, chat)
+    store = None
+    if config.enable_store:
+        store = ResponseStore(config.max_stored_responses, config.max_response_store_bytes)
+    responses = ResponsesServing(chat, store)
+    messages = MessagesServing(chat)
+    h = Handlers(engine, config, metrics, completions, chat, responses, messages)
     stats_logger = StatsLogger(metrics)
 
     @contextlib.asynccontextmanager
@@ -63,6 +71,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     routes = [
         Route("/v1/completions", h.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", h.create_chat_completion, methods=["POST"]),
+        Route("/v1/responses", h.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", h.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", h.delete_response, methods=["DELETE"]),
+        Route("/v1/messages", h.create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", h.count_message_tokens, methods=["POST"]),
         Route("/v1/models", h.list_models, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.get_metrics, methods=["GET"]),
@@ -97,21 +110,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(APIError(exc.status_code, str(exc.detail)))
+    return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
 
 async def _on_engine_dead(request: Request, exc: Exception) -> Response:
-    return error_response(APIError(503, "the engine is not running", code="engine_dead"))
+    error = APIError(503, "the engine is not running", code="engine_dead")
+    return error_response(error, request.url.path)
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
     logger.exception("request %s %s failed", request.method, request.url.path)
-    return error_response(APIError(500, "internal server error", code="internal_error"))
+    error = APIError(500, "internal server error", code="internal_error")
+    return error_response(error, request.url.path)
 
 
 async def abort_in_flight(app: Starlette) -> None:

@@ -35,6 +35,11 @@ LIMIT_HELP: dict[str, str] = {
     "stream_idle_timeout": "seconds a response may wait on a client that does not read "
     "before the connection is closed and the request aborted",
     "max_connections": "open connections; more are answered 503 and closed",
+    "max_stored_responses": "responses kept by /v1/responses with store (with "
+    "--enable-store; the oldest go first)",
+    "max_response_store_bytes": "bytes of stored responses together (with --enable-store)",
+    "max_response_input_items": "items in a /v1/responses input (with the conversation "
+    "of previous_response_id) or messages in a /v1/messages request",
 }
 
 
@@ -50,6 +55,9 @@ class ServerConfig:
     # a request's own `chat_template` is rendered (in the same sandbox) only if set
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # reads tool calls in model output (tool_parsers)
+    reasoning_parser: str | None = None  # splits `<think>` reasoning off (reasoning/)
+    # /v1/responses keeps responses (store, previous_response_id) only when set
+    enable_store: bool = False
     shutdown_timeout: float = 10.0
     stats_interval: float = 10.0
     # -- limits (see LIMIT_HELP) --
@@ -71,6 +79,9 @@ class ServerConfig:
     body_timeout: float = 30.0
     stream_idle_timeout: float = 30.0
     max_connections: int = 1024
+    max_stored_responses: int = 1000
+    max_response_store_bytes: int = 64 * MiB
+    max_response_input_items: int = 1024
 
     def __post_init__(self) -> None:
         self.validate()

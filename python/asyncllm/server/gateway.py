@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from asyncllm.server.config import ServerConfig
 from asyncllm.server.connection import log_cut_off
 from asyncllm.server.protocol import APIError
+from asyncllm.server.protocol_messages import anthropic_error_body
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +27,12 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CLOSE = {"Connection": "close"}
 
 
-def error_response(exc: APIError) -> Response:
+def error_response(exc: APIError, path: str = "") -> Response:
+    """The error in the shape of the API the path belongs to: Anthropic's for
+    /v1/messages, OpenAI's for the rest."""
+    body = anthropic_error_body(exc) if path.startswith("/v1/messages") else exc.body()
     return Response(
-        exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers
+        body, status_code=exc.status, media_type="application/json", headers=exc.headers
     )
 
 
@@ -42,6 +46,8 @@ class GatewayMiddleware:
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app = app
         self.api_key = f"Bearer {config.api_key}".encode() if config.api_key else None
+        # Anthropic's clients send the key as `x-api-key: KEY`
+        self.x_api_key = config.api_key.encode() if config.api_key else None
         self.max_header_bytes = config.max_header_bytes
         self.max_body_bytes = config.max_request_body_bytes
         self.body_timeout = config.body_timeout
@@ -66,8 +72,13 @@ class GatewayMiddleware:
             )
             return
         if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.api_key):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            ok = hmac.compare_digest(given, self.api_key)
+            if not ok and b"x-api-key" in headers:
+                assert self.x_api_key is not None
+                ok = hmac.compare_digest(headers[b"x-api-key"], self.x_api_key)
+            if not ok:
                 error = APIError(401, "Incorrect or missing API key", code="invalid_api_key")
                 await self._reject(error, scope, receive, send)
                 return
@@ -120,7 +131,7 @@ class GatewayMiddleware:
 
     @staticmethod
     async def _reject(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
 
 def _too_large(limit: int) -> APIError:

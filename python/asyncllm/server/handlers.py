@@ -25,9 +25,14 @@ from asyncllm.server.protocol import (
     bad_request,
     parse_body,
 )
+from asyncllm.server.protocol_messages import CountTokensRequest, MessagesRequest
+from asyncllm.server.protocol_responses import ResponsesRequest
+from asyncllm.server.response_store import scope_of
 from asyncllm.server.serving_base import off_loop
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_messages import MessagesServing
+from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.serving_tools import template_tools
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,10 @@ _HEALTH_TIMEOUT_S = 5.0
 _STATS_TIMEOUT_S = 5.0
 _UTILITY_TIMEOUT_S = 30.0
 _PROFILE_STOP_TIMEOUT_S = 300.0  # writing a long window's trace takes a while
+
+
+def _scope(request: Request) -> str:
+    return scope_of(dict(request.scope["headers"]))
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -50,12 +59,16 @@ class Handlers:
         metrics: ServerMetrics,
         completions: CompletionServing,
         chat: ChatServing,
+        responses: ResponsesServing,
+        messages: MessagesServing,
     ) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.completions = completions
         self.chat = chat
+        self.responses = responses
+        self.messages = messages
 
     async def core_stats(self) -> dict[str, Any] | None:
         try:
@@ -70,6 +83,26 @@ class Handlers:
     async def create_chat_completion(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
         return await self.chat.create(req, request.receive)
+
+    async def create_response(self, request: Request) -> Response:
+        req = parse_body(ResponsesRequest, await request.body())
+        return await self.responses.create(req, request.receive, _scope(request))
+
+    async def get_response(self, request: Request) -> Response:
+        found = self.responses.stored(_scope(request), request.path_params["response_id"])
+        return json_response(found)
+
+    async def delete_response(self, request: Request) -> Response:
+        done = self.responses.delete(_scope(request), request.path_params["response_id"])
+        return json_response(done)
+
+    async def create_message(self, request: Request) -> Response:
+        req = parse_body(MessagesRequest, await request.body())
+        return await self.messages.create(req, request.receive)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        req = parse_body(CountTokensRequest, await request.body())
+        return json_response(await self.messages.count_tokens(req))
 
     async def list_models(self, request: Request) -> Response:
         """The served names only: the model's local path stays private."""

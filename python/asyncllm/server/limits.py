@@ -49,18 +49,7 @@ class RequestLimits:
         c = self.config
         if isinstance(req.n, int) and req.n > c.max_n:
             raise over_limit("n", "choices", req.n, "max_n", c.max_n)
-        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        if len(stop) > c.max_stop_strings:
-            raise over_limit("stop", "strings", len(stop), "max_stop_strings", c.max_stop_strings)
-        longest = max((len(s) for s in stop), default=0)
-        if longest > c.max_stop_string_chars:
-            raise over_limit(
-                "stop",
-                "characters in one string",
-                longest,
-                "max_stop_string_chars",
-                c.max_stop_string_chars,
-            )
+        self.check_stop(req.stop, "stop")
         ids = req.stop_token_ids or []
         if len(ids) > c.max_stop_token_ids:
             raise over_limit(
@@ -69,6 +58,22 @@ class RequestLimits:
         bias = req.logit_bias or {}
         if len(bias) > c.max_logit_bias:
             raise over_limit("logit_bias", "entries", len(bias), "max_logit_bias", c.max_logit_bias)
+
+    def check_stop(self, stop: str | list[str] | None, param: str) -> None:
+        """Stop strings: how many, and the longest."""
+        c = self.config
+        stop = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stop) > c.max_stop_strings:
+            raise over_limit(param, "strings", len(stop), "max_stop_strings", c.max_stop_strings)
+        longest = max((len(s) for s in stop), default=0)
+        if longest > c.max_stop_string_chars:
+            raise over_limit(
+                param,
+                "characters in one string",
+                longest,
+                "max_stop_string_chars",
+                c.max_stop_string_chars,
+            )
 
     def check_prompts(self, prompts: list[Any]) -> None:
         """A completions prompt list: count, characters of text prompts, length of

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -17,7 +18,9 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.limits import Admission
 from asyncllm.server.logprobs import chat_logprobs
 from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.output_parser import OutputParser
 from asyncllm.server.protocol import APIError, ChatCompletionRequest, ChatMessage, bad_request
+from asyncllm.server.reasoning import get_reasoning_parser
 from asyncllm.server.serving_base import (
     ServerConfig,
     ServingBase,
@@ -26,13 +29,33 @@ from asyncllm.server.serving_base import (
     random_id,
     usage,
 )
-from asyncllm.server.serving_tools import ToolPlan, ToolStream, constrain, plan_tools, tool_message
+from asyncllm.server.serving_tools import (
+    ToolPlan,
+    ToolStream,
+    constrain,
+    output_parser,
+    plan_tools,
+    tool_message,
+)
 from asyncllm.server.sse import DONE, ChunkRenderer, SSEResponse, error_event, run_until_disconnect
 from asyncllm.server.template_inputs import RequestTemplates, check_template_kwargs
 from asyncllm.server.token_text import TokenText
 from asyncllm.server.tool_parsers import get_tool_parser
 
 JSON = "application/json"
+
+
+@dataclass
+class Prepared:
+    """A chat request ready to run: its tool plan, prompt and sampling."""
+
+    plan: ToolPlan | None
+    text: str
+    ids: list[int]
+    params: SamplingParams
+
+    def fields(self) -> tuple[ToolPlan | None, str, list[int], SamplingParams]:
+        return self.plan, self.text, self.ids, self.params
 
 
 class ChatServing(ServingBase):
@@ -49,6 +72,7 @@ class ChatServing(ServingBase):
         tok = engine.tokenizer
         self.templates = RequestTemplates(template, config, tok.bos_token, tok.eos_token)
         self.tool_parser = get_tool_parser(config.tool_call_parser)
+        self.reasoning_parser = get_reasoning_parser(config.reasoning_parser)
 
     def template_inputs(
         self, chat_template: str | None, kwargs: dict[str, Any] | None, tools: Any = None
@@ -97,7 +121,10 @@ class ChatServing(ServingBase):
         self.limits.check_chars(len(text), "messages")
         return text, await self.encode(text, add_special_tokens=False)
 
-    async def create(self, req: ChatCompletionRequest, receive: Any) -> Response:
+    async def prepare(self, req: ChatCompletionRequest) -> Prepared:
+        """Everything a chat request needs before it runs, checked (a 4xx names
+        the field at fault): the Responses and Messages endpoints come through
+        here too, as a chat request built from theirs."""
         self.check_model(req.model)
         self.limits.check_sampling(req)
         plan = plan_tools(req, self.tool_parser)
@@ -122,6 +149,14 @@ class ChatServing(ServingBase):
             chat=True,
             stream=req.stream,
         )
+        return Prepared(plan, text, ids, params)
+
+    def parser(self, plan: ToolPlan | None) -> OutputParser | None:
+        """A parser for one choice of a request with `plan` (None: plain text)."""
+        return output_parser(plan, self.reasoning_parser)
+
+    async def create(self, req: ChatCompletionRequest, receive: Any) -> Response:
+        plan, text, ids, params = (await self.prepare(req)).fields()
         self.check_engine()
         ticket = self.admission.admit(params.n)
         request_id = random_id("chatcmpl")
@@ -152,7 +187,8 @@ class ChatServing(ServingBase):
         n = params.n
         for i in range(n):
             yield renderer.role_chunk(i)
-        tools = ToolStream(plan, renderer, n) if plan and plan.make_parser else None
+        reading = (plan and plan.make_parser) or self.reasoning_parser
+        tools = ToolStream(plan, renderer, n, self.reasoning_parser) if reading else None
         done = [False] * n
         num_top = req.top_logprobs or 0
         num_tokens = 0
@@ -225,8 +261,10 @@ class ChatServing(ServingBase):
                 "tool_calls": [],
             }
             finish_reason = c.finish_reason
-            if plan and plan.make_parser:
-                message, finish_reason = tool_message(plan, c.text, c.finish_reason)
+            if (plan and plan.make_parser) or self.reasoning_parser:
+                message, finish_reason = tool_message(
+                    plan, c.text, c.finish_reason, self.reasoning_parser
+                )
             choice = {
                 "index": c.index,
                 "message": message,

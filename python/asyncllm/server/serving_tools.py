@@ -25,8 +25,10 @@ from typing import Any
 
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.server.output_parser import OutputParser
 from asyncllm.server.protocol import ChatCompletionRequest, bad_request
 from asyncllm.server.protocol_tools import ChatTool, NamedToolChoice
+from asyncllm.server.reasoning import ReasoningParser
 from asyncllm.server.sse import ChunkRenderer, finish_json
 from asyncllm.server.tool_parsers import ToolParser
 from asyncllm.server.tool_parsers.base import MAX_TOOL_CALLS
@@ -147,27 +149,56 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def tool_message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict[str, Any], Any]:
+def output_parser(
+    plan: ToolPlan | None, reasoning: type[ReasoningParser] | None
+) -> OutputParser | None:
+    """One choice's parser: reasoning first (the server's), then tool calls (the
+    request's plan); None when there is nothing to read and the text is content."""
+    tools = plan.make_parser() if plan and plan.make_parser else None
+    if tools is None and reasoning is None:
+        return None
+    return OutputParser(reasoning() if reasoning else None, tools)
+
+
+def tool_message(
+    plan: ToolPlan | None,
+    text: str,
+    reason: str | None,
+    reasoning: type[ReasoningParser] | None = None,
+) -> tuple[dict[str, Any], Any]:
     """(the reply's message, its finish_reason) for one choice's whole text."""
-    assert plan.make_parser is not None
-    found = plan.make_parser().extract(text)
-    message = {
+    parser = output_parser(plan, reasoning)
+    assert parser is not None
+    found = parser.extract(text)
+    message: dict[str, Any] = {
         "role": "assistant",
         "content": found.content,
         "refusal": None,
         "tool_calls": [call.to_openai() for call in found.tool_calls],
     }
+    if reasoning is not None:
+        message["reasoning_content"] = found.reasoning
+    if plan is None:
+        return message, reason
     return message, plan.finish_reason(reason, bool(found.tool_calls))
 
 
 class ToolStream:
-    """The chunks of a streamed reply whose choices are read by tool parsers."""
+    """The chunks of a streamed reply whose choices are read by output parsers
+    (reasoning, tool calls, or both)."""
 
-    def __init__(self, plan: ToolPlan, renderer: ChunkRenderer, n: int) -> None:
-        assert plan.make_parser is not None
+    def __init__(
+        self,
+        plan: ToolPlan | None,
+        renderer: ChunkRenderer,
+        n: int,
+        reasoning: type[ReasoningParser] | None = None,
+    ) -> None:
         self.plan = plan
         self.renderer = renderer
-        self.parsers = [plan.make_parser() for _ in range(n)]
+        parsers = [output_parser(plan, reasoning) for _ in range(n)]
+        assert all(p is not None for p in parsers)
+        self.parsers: list[OutputParser] = parsers  # type: ignore[assignment]
         self.has_calls = [False] * n
 
     def chunk(self, index: int, text: str, reason: str | None, logprobs: bytes) -> bytes | None:
@@ -180,11 +211,15 @@ class ToolStream:
         if not delta and reason is None and logprobs == b"null":
             return None
         body: dict[str, Any] = {}
+        if delta.reasoning:
+            body["reasoning_content"] = delta.reasoning
         if delta.content:
             body["content"] = delta.content
         if delta.tool_calls:
             body["tool_calls"] = [piece.to_openai() for piece in delta.tool_calls]
-        finish = self.plan.finish_reason(reason, self.has_calls[index])
+        finish = reason
+        if self.plan is not None:
+            finish = self.plan.finish_reason(reason, self.has_calls[index])
         choice = b'{"index":%d,"delta":%b,"logprobs":%b,"finish_reason":%b}' % (
             index,
             json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(),

@@ -1,8 +1,10 @@
 """Tool-call parsers, pluggable by name (`asyncllm serve --tool-call-parser NAME`):
 each turns a model's text into content and OpenAI `tool_calls`, whole or as
 streamed deltas. `hermes` reads the `<tool_call>{...}</tool_call>` blocks of
-Hermes and Qwen models; `forced` holds the parsers for output constrained by
-`tool_choice` "required" or a named function."""
+Hermes and Qwen models, `llama3_json` the bare JSON calls of Llama 3.x,
+`pythonic` lists of Python calls (`[f(x=1), g()]`); `forced`
+holds the parsers for output constrained by `tool_choice` "required" or a named
+function."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from asyncllm.server.tool_parsers.base import (
     ToolParser,
 )
 from asyncllm.server.tool_parsers.hermes import HermesToolParser
+from asyncllm.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from asyncllm.server.tool_parsers.pythonic import PythonicToolParser
 
 DEFAULT_TOOL_PARSER = "hermes"
 _REGISTRY: dict[str, type[ToolParser]] = {}
@@ -41,6 +45,8 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 register(HermesToolParser)
+register(Llama3JsonToolParser)
+register(PythonicToolParser)
 
 __all__ = [
     "DEFAULT_TOOL_PARSER",

@@ -66,6 +66,24 @@ def _strip_end(text: str, end: int, floor: int) -> int:
     return end
 
 
+def _in_json_string(body: str, end: int) -> bool:
+    """Whether `body[:end]` ends inside a JSON string (from its first `{`): a
+    closing tag there is text of the arguments, not the end of the block. Run
+    only when a closing tag was found, so each block is scanned a few times."""
+    start = body.find("{", 0, end)
+    if start < 0:
+        return False
+    in_string = escaped = False
+    for ch in body[start:end]:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = in_string
+        elif ch == '"':
+            in_string = not in_string
+    return in_string
+
+
 def _header_name(match: re.Match[str]) -> str | None:
     try:
         name = json.loads(match.group(1))
@@ -153,6 +171,8 @@ class HermesToolParser(ToolParser):
                 self._block = _Block()
                 continue
             j = self._buf.find(CLOSE, self._block.close_from)
+            while j >= 0 and _in_json_string(self._buf, j):  # a tag the arguments quote
+                j = self._buf.find(CLOSE, j + 1)
             if j >= 0:
                 body, self._buf = self._buf[:j], self._buf[j + len(CLOSE) :]
                 self._close(out, body, OPEN + body + CLOSE)
