@@ -4,6 +4,7 @@ server tests use to talk to it."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,15 +24,18 @@ def free_port() -> int:
 class Server:
     """`asyncllm serve` in a subprocess, up once /health answers 200."""
 
-    def __init__(self, log: Path, *args: str) -> None:
-        """`args` follow `asyncllm serve` (model, flags); the port is chosen here."""
+    def __init__(self, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        """`args` follow `asyncllm serve` (model, flags); the port is chosen here;
+        `env` adds environment variables to the server's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "asyncllm.cli", "serve", *args]
         cmd += ["--port", str(self.port)]
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + 90
         while http_status(self.url + "/health") != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -191,3 +191,16 @@ def test_kv_cache_dtype_has_a_cli_flag():
     assert engine_args_from(ns).kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["/m", "--kv-cache-dtype", "float16"])
+
+
+def test_the_grammar_compile_deadline_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncllm import envs
+
+    monkeypatch.delenv("ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S", raising=False)
+    assert envs.grammar_compile_deadline_s() == 10.0
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S", "45.5")
+    assert envs.grammar_compile_deadline_s() == 45.5
+    for bad in ("0", "-3", "soon", "7200"):
+        monkeypatch.setenv("ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S", bad)
+        with pytest.raises(ConfigError, match=r"GRAMMAR_COMPILE_DEADLINE_S=.*\(0, 3600\]"):
+            envs.grammar_compile_deadline_s()

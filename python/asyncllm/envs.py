@@ -101,3 +101,22 @@ def cpu_bind() -> str:
     """ASYNCLLM_CPU_OMP_THREADS_BIND (default "auto"; vLLM's VLLM_CPU_OMP_THREADS_BIND):
     the default of `EngineArgs.cpu_bind` (checked there)."""
     return os.environ.get("ASYNCLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto"
+
+
+def grammar_compile_deadline_s() -> float:
+    """ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S (default 10): how long a request waits
+    for its grammar to compile before it fails with a 400. Longer on a machine
+    whose compile threads (lowest priority) get little CPU."""
+    raw = os.environ.get("ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S", "").strip()
+    if not raw:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise ConfigError(
+            f"environment variable ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S={raw!r} is invalid: "
+            "must be seconds in (0, 3600]"
+        )
+    return value

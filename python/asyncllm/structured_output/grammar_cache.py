@@ -21,7 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from asyncllm import _core
+from asyncllm import _core, envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.structured_output.params import StructuredOutputsParams
 
@@ -33,11 +33,12 @@ from asyncllm.structured_output.params import StructuredOutputsParams
 MAX_CACHED_GRAMMARS = 512
 MAX_CACHED_GRAMMAR_BYTES = 128 << 20
 
-# How long a request waits for its grammar to compile. The compile budget
+# How long a request waits for its grammar to compile
+# (ASYNCLLM_GRAMMAR_COMPILE_DEADLINE_S, default 10 s). The compile budget
 # (llguidance's fuel) bounds the work to well under a second on an idle core;
 # this bounds the wait when the compile threads, at the lowest priority, get
 # little CPU. Past it the request fails (400); nothing else waits on it.
-COMPILE_DEADLINE_S = 10.0
+COMPILE_DEADLINE_S = envs.grammar_compile_deadline_s()
 
 # Threads compiling for `compile_async` (the server): a slow schema holds one of
 # these, never the event loop nor the threads that tokenize other requests.
