@@ -7,6 +7,7 @@
 //! so one wheel runs everywhere and still uses the vector units it finds.
 
 mod attention_block;
+mod attention_job;
 mod bf16;
 mod decode_layers;
 mod elementwise;
