@@ -1,0 +1,99 @@
+"""Putting `QuantLinear` layers into a model: from a compressed-tensors checkpoint
+(before the float tensors are read), or by quantizing a float model's linear layers
+at load (`EngineArgs.quantization`, vLLM's `--quantization`).
+
+Either way every replaced `nn.Linear` is swapped for a QuantLinear in place, so the
+model files do not change; the kernel selection at load (`worker.linear_select`)
+and the fused decode kernel leave QuantLinear alone (they take plain `nn.Linear`).
+A quantized LM head becomes `model.logits_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm.errors import ModelLoadError
+from asyncllm.models.quant.compressed import Reader, load_compressed_linear, scheme_of
+from asyncllm.models.quant.layers import QuantLinear, pack_int4
+
+# --quantization methods: bits of the weight integers. Weights are quantized round
+# to nearest, symmetric, one float32 scale per group of GROUP_SIZE inputs (of each
+# output row); activations stay in the model's dtype (W8A16, W4A16).
+METHODS = {"int8": 8, "int4": 4}
+GROUP_SIZE = 128
+
+
+def replace_compressed_linears(
+    model: nn.Module,
+    qc: dict[str, Any],
+    sources: dict[str, list[str]],
+    read: Reader,
+    has: Callable[[str], bool],
+) -> None:
+    """Swap every Linear that the checkpoint stores quantized for a QuantLinear read
+    from it; its bias (if any) is left for the float loader to fill."""
+    for path, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        names = [src.removesuffix(".weight") for src in sources[f"{path}.weight"]]
+        schemes = [scheme_of(qc, name) for name in names]
+        if all(s is None for s in schemes):
+            continue
+        if any(s is None for s in schemes):
+            raise ModelLoadError(
+                f"modules {', '.join(names)} are fused in asyncllm but only some are "
+                "quantized in the checkpoint (quantization_config.ignore)"
+            )
+        layer = load_compressed_linear(read, has, names, schemes)  # type: ignore[arg-type]
+        _swap(model, path, module, layer)
+
+
+def quantize_linears(model: nn.Module, method: str) -> None:
+    """Quantize every linear layer of the decoder layers (the LM head and the
+    embedding stay as they are, as llm-compressor's recipes leave them) in place."""
+    if method not in METHODS:
+        raise ModelLoadError(f"quantization={method!r}: supported: {', '.join(METHODS)}")
+    for path, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not path.startswith("layers."):
+            continue
+        layer = quantize_weight(module.weight.detach(), METHODS[method], path)
+        _swap(model, path, module, layer)
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, name: str = "weight") -> QuantLinear:
+    """Round-to-nearest symmetric quantization of a float [out, in] weight, one scale
+    per GROUP_SIZE inputs (per row when the row is shorter); ModelLoadError when the
+    group does not divide the row."""
+    out, in_features = weight.shape
+    group = min(GROUP_SIZE, in_features)
+    if in_features % group or (bits == 4 and in_features % 2):
+        raise ModelLoadError(
+            f"{name}: {in_features} inputs do not divide into groups of {group} "
+            f"(--quantization int{bits} needs in_features % {group} == 0)"
+        )
+    w = weight.float().view(out, in_features // group, group)
+    qmax = (1 << (bits - 1)) - 1
+    scales = w.abs().amax(dim=2) / qmax
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, :, None]).clamp_(-qmax - 1, qmax).to(torch.int8)
+    q = q.view(out, in_features)
+    qweight = q if bits == 8 else pack_int4(q)
+    return QuantLinear(qweight, bits, scales, None, in_features)
+
+
+def _swap(model: nn.Module, path: str, old: nn.Module, layer: QuantLinear) -> None:
+    """Put `layer` at `path` in place of `old` (keeping its bias parameter)."""
+    if layer.out_features != old.out_features or layer.in_features != old.in_features:
+        raise ModelLoadError(
+            f"{path}: the checkpoint's weight is [{layer.out_features}, {layer.in_features}], "
+            f"the config implies [{old.out_features}, {old.in_features}]"
+        )
+    layer.bias = old.bias  # type: ignore[assignment]  # (an nn.Linear's Parameter or None)
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    if path == "lm_head":
+        model.logits_head = layer
