@@ -44,6 +44,10 @@ class EngineArgs:
     dtype: str = "auto"
     # The KV cache's dtype; "auto" = the model's (float16 models keep float16 on CUDA)
     kv_cache_dtype: str = "auto"
+    # vLLM's --quantization: "int8" or "int4" quantizes a float checkpoint's linear
+    # layers at load (round to nearest, per-group scales; models/quant). None: the
+    # checkpoint as it is (GGUF and compressed-tensors checkpoints stay quantized).
+    quantization: str | None = None
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
@@ -153,6 +157,12 @@ class EngineArgs:
                 "EngineArgs.num_kv_blocks and EngineArgs.kv_cache_memory_gib are exclusive: "
                 "give the KV-cache size one way"
             )
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise _fail(
+                "quantization",
+                self.quantization,
+                "None with tensor_parallel_size > 1 (quantized layers are not sharded yet)",
+            )
         if self.tensor_parallel_size > 1 and self.executor == "null":
             raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 with executor='null'")
         if self.pin_threads and self.data_parallel_size > 1:
@@ -217,6 +227,7 @@ class EngineArgs:
             tokenizer=self.tokenizer or self.model,
             dtype=dtype_name,
             kv_cache_dtype=kv_dtype,
+            quantization=self.quantization,
             device=device,
             block_size=self.block_size,
             kv_cache_memory_gib=kv_gib,
@@ -253,6 +264,7 @@ class EngineConfig:
     tokenizer: str
     dtype: str  # float32, bfloat16 or float16
     kv_cache_dtype: str  # float32, bfloat16 or float16 (the model's, on CUDA only)
+    quantization: str | None  # int8, int4 or None (EngineArgs.quantization)
     device: str  # cpu or cuda
     block_size: int
     kv_cache_memory_gib: float | None

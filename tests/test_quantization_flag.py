@@ -1,0 +1,133 @@
+"""`EngineArgs.quantization` / `--quantization int8|int4` (vLLM's flag): a float
+checkpoint's linear layers quantized at load into integer weights that stay small
+in memory, with logits close to the float model's and mostly the same greedy
+tokens; the combinations it cannot serve fail at once, naming why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncllm import LLM, EngineArgs, SamplingParams
+from asyncllm.cli.args import add_engine_args, engine_args_from
+from asyncllm.errors import ConfigError, ModelLoadError
+from asyncllm.models.hf_config import load_hf_config
+from asyncllm.models.loader import load_model
+from asyncllm.models.quant.layers import QuantLinear
+from asyncllm.models.quant.loader import quantize_weight
+from quant_checkpoints import TINY_QUANT
+from tiny_models import make_tiny_model
+
+# asyncllm-tiny (trained on the Python standard library): a trained model, whose
+# greedy choices are clear-cut, unlike a random one's near-uniform distributions
+PROMPTS = [
+    "def __init__(self, name, value=None):\n        self.",
+    "import os\nimport sys\n\n\ndef main():\n    ",
+    "    for key, value in sorted(items.items()):\n        if ",
+    'class Error(Exception):\n    """Base class for ',
+]
+MAX_TOKENS = 16
+# Per method: the largest |logprob difference| of a prompt token to the float model,
+# and the least share of prompt positions where its first choice is the float
+# model's. Measured: int8 0.028 and 52 / 52; int4 0.34 and 50 / 52.
+TOLERANCE = {"int8": (0.1, 0.95), "int4": (1.0, 0.85)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("quant_flag"), **TINY_QUANT)
+
+
+def _linear_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for path, module in model.named_modules():
+        if not path.startswith("layers."):
+            continue
+        if isinstance(module, QuantLinear):
+            total += module.weight_bytes()
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+@pytest.mark.parametrize("method,ratio", [("int8", 0.26), ("int4", 0.16)])
+def test_linear_weights_are_integers_and_smaller(tiny: Path, method: str, ratio: float) -> None:
+    cfg = load_hf_config(tiny)
+    cpu = torch.device("cpu")
+    base = load_model(tiny, cfg, torch.float32, cpu)
+    model = load_model(tiny, cfg, torch.float32, cpu, quantization=method)
+    layers = [m for p, m in model.named_modules() if p.startswith("layers.") and "proj" in p]
+    assert layers and all(isinstance(m, QuantLinear) for m in layers)
+    assert type(model.lm_head) is torch.nn.Linear  # the head stays float
+    assert _linear_bytes(model) <= ratio * _linear_bytes(base)
+    # round to nearest: each weight within half a step of its group's scale
+    for path in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj"):
+        layer, weight = model.get_submodule(path), base.get_submodule(path).weight
+        step = layer.scales.repeat_interleave(layer.group_size, dim=1)
+        assert ((layer.dequantized() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def _run(
+    model: str, quantization: str | None
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """Greedy continuations, each prompt token's logprob, and the model's first
+    choice after each prompt position (its greedy token there, whatever came before)."""
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=1
+    )
+    with LLM(
+        model=str(model), dtype="float32", max_model_len=256, quantization=quantization
+    ) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    scores = [
+        [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)]
+        for o in outs
+    ]
+    firsts = [
+        next(t for t, lp in pos.items() if lp.rank == 1)
+        for o in outs
+        for pos in o.prompt_logprobs[1:]
+    ]
+    return tokens, scores, firsts
+
+
+def test_quantized_model_stays_close_to_the_float_model() -> None:
+    tokens, scores, firsts = _run("asyncllm-tiny", None)
+    for method, (max_diff, min_equal) in TOLERANCE.items():
+        q_tokens, q_scores, q_firsts = _run("asyncllm-tiny", method)
+        diffs = [
+            abs(a - b)
+            for s, q in zip(scores, q_scores, strict=True)
+            for a, b in zip(s, q, strict=True)
+        ]
+        equal = sum(a == b for a, b in zip(firsts, q_firsts, strict=True))
+        assert 0 < max(diffs) <= max_diff, (method, max(diffs))  # > 0: the weights changed
+        assert equal >= min_equal * len(firsts), (method, equal, len(firsts))
+        if method == "int8":  # so close that whole greedy continuations agree
+            assert q_tokens == tokens
+
+
+def test_the_flag_and_its_errors(tiny: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([str(tiny), "--quantization", "int4"])).quantization
+    with pytest.raises(ConfigError, match="EngineArgs.quantization='fp8'.*int8, int4"):
+        EngineArgs(model=str(tiny), quantization="fp8")
+    with pytest.raises(ConfigError, match="quantization.*tensor_parallel_size"):
+        EngineArgs(model=str(tiny), quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ModelLoadError, match="192 inputs do not divide into groups of 128"):
+        quantize_weight(torch.randn(8, 192), 4, 128, "layers.0.mlp.down_proj")
+    # an already-quantized checkpoint is not quantized again
+    quantized = tmp_path / "quantized"
+    shutil.copytree(tiny, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        load_model(quantized, load_hf_config(quantized), torch.float32, torch.device("cpu"), "int8")
