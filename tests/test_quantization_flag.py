@@ -121,8 +121,11 @@ def test_the_flag_and_its_errors(tiny: Path, tmp_path: Path) -> None:
         EngineArgs(model=str(tiny), quantization="fp8")
     with pytest.raises(ConfigError, match="quantization.*tensor_parallel_size"):
         EngineArgs(model=str(tiny), quantization="int8", tensor_parallel_size=2)
-    with pytest.raises(ModelLoadError, match="192 inputs do not divide into groups of 128"):
-        quantize_weight(torch.randn(8, 192), 4, 128, "layers.0.mlp.down_proj")
+    with pytest.raises(ModelLoadError, match="layers.0.mlp.down_proj: int4 .* 191 is odd"):
+        quantize_weight(torch.randn(8, 191), 4, 32, "layers.0.mlp.down_proj")
+    # the group: the given size, else a smaller power-of-two fraction, else the row
+    for cols, group in ((576, 64), (1536, 128), (40, 40)):
+        assert quantize_weight(torch.randn(8, cols), 8, 128).group_size == group
     # an already-quantized checkpoint is not quantized again
     quantized = tmp_path / "quantized"
     shutil.copytree(tiny, quantized)

@@ -32,8 +32,8 @@ ENGINE_HELP: dict[str, str] = {
     "kv_cache_dtype": f"KV cache dtype, one of {', '.join(KV_CACHE_DTYPES)} (auto: the "
     "model's dtype)",
     "quantization": f"quantize a float checkpoint's linear layers at load, one of"
-    f" {', '.join(QUANTIZATIONS)} (round to nearest, a scale per 128 inputs; weights stay"
-    " integers in memory; default: the checkpoint as it is)",
+    f" {', '.join(QUANTIZATIONS)} (round to nearest, a scale per 128 inputs for int8, 32"
+    " for int4; weights stay integers in memory; default: the checkpoint as it is)",
     "device": f"where the model runs, one of {', '.join(DEVICES)}",
     "block_size": "tokens per KV-cache block (a power of two)",
     "kv_cache_memory_gib": "KV-cache size in GiB (exclusive with --num-kv-blocks)",

@@ -70,15 +70,17 @@ def quantize_weight(
     weight: torch.Tensor, bits: int, group_size: int, name: str = "weight"
 ) -> QuantLinear:
     """Round-to-nearest symmetric quantization of a float [out, in] weight, one scale
-    per `group_size` inputs (per row when the row is shorter); ModelLoadError when
-    the group does not divide the row."""
+    per group of inputs: `group_size`, else the largest half of it down to 32 that
+    divides the row (SmolLM2's 576 takes 64 for 128), else one per row.
+    ModelLoadError for a 4-bit row of odd length (two values a byte)."""
     out, in_features = weight.shape
-    group = min(group_size, in_features)
-    if in_features % group or (bits == 4 and in_features % 2):
-        raise ModelLoadError(
-            f"{name}: {in_features} inputs do not divide into groups of {group} "
-            f"(--quantization int{bits} needs in_features % {group} == 0)"
-        )
+    if bits == 4 and in_features % 2:
+        raise ModelLoadError(f"{name}: int4 packs two inputs a byte; {in_features} is odd")
+    group = in_features
+    for size in (group_size >> k for k in range(8)):
+        if 32 <= size <= in_features and in_features % size == 0:
+            group = size
+            break
     w = weight.float().view(out, in_features // group, group)
     qmax = (1 << (bits - 1)) - 1
     scales = w.abs().amax(dim=2) / qmax
