@@ -19,7 +19,7 @@ from asyncllm.errors import ConfigError, ModelLoadError
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.loader import load_model
 from asyncllm.models.quant.layers import QuantLinear
-from asyncllm.models.quant.loader import quantize_weight
+from asyncllm.models.quant.loader import group_for, quantize_weight
 from quant_checkpoints import TINY_QUANT
 from tiny_models import make_tiny_model
 
@@ -119,13 +119,17 @@ def test_the_flag_and_its_errors(tiny: Path, tmp_path: Path) -> None:
     assert engine_args_from(parser.parse_args([str(tiny), "--quantization", "int4"])).quantization
     with pytest.raises(ConfigError, match="EngineArgs.quantization='fp8'.*int8, int4"):
         EngineArgs(model=str(tiny), quantization="fp8")
-    with pytest.raises(ConfigError, match="quantization.*tensor_parallel_size"):
-        EngineArgs(model=str(tiny), quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ModelLoadError, match="layers.0.mlp.down_proj: int4 .* 191 is odd"):
         quantize_weight(torch.randn(8, 191), 4, 32, "layers.0.mlp.down_proj")
     # the group: the given size, else a smaller power-of-two fraction, else the row
     for cols, group in ((576, 64), (1536, 128), (40, 40)):
-        assert quantize_weight(torch.randn(8, cols), 8, 128).group_size == group
+        assert group_for(cols, 128) == group
+    # a row-parallel slice holds whole groups of the full row, or the load fails
+    assert quantize_weight(torch.randn(8, 256), 8, 128, "x", shards=2).group_size == 128
+    with pytest.raises(
+        ModelLoadError, match="tensor_parallel_size=2 gives each rank 288 of its 576 inputs"
+    ):
+        quantize_weight(torch.randn(8, 288), 8, 128, "layers.0.mlp.down_proj", shards=2)
     # an already-quantized checkpoint is not quantized again
     quantized = tmp_path / "quantized"
     shutil.copytree(tiny, quantized)
@@ -134,3 +138,28 @@ def test_the_flag_and_its_errors(tiny: Path, tmp_path: Path) -> None:
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="already quantized"):
         load_model(quantized, load_hf_config(quantized), torch.float32, torch.device("cpu"), "int8")
+
+
+@pytest.mark.parametrize("method", ["int4"])  # int8: the same path, wider groups
+def test_two_ranks_quantize_their_slices_as_one_rank_does(method: str) -> None:
+    """Under tensor parallelism each rank quantizes its slice on group boundaries:
+    the integers are the unsharded model's, so the tokens are one rank's."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(
+            "asyncllm-tiny",
+            multiprocess=False,
+            dtype="float32",
+            max_model_len=256,
+            quantization=method,
+            tensor_parallel_size=tp,
+        )
+        try:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        finally:
+            if llm.engine.core is not None:
+                llm.engine.core.close()  # stops the workers
+            llm.shutdown()
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert tokens[0] == tokens[1]

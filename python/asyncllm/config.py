@@ -157,12 +157,6 @@ class EngineArgs:
                 "EngineArgs.num_kv_blocks and EngineArgs.kv_cache_memory_gib are exclusive: "
                 "give the KV-cache size one way"
             )
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise _fail(
-                "quantization",
-                self.quantization,
-                "None with tensor_parallel_size > 1 (quantized layers are not sharded yet)",
-            )
         if self.tensor_parallel_size > 1 and self.executor == "null":
             raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 with executor='null'")
         if self.pin_threads and self.data_parallel_size > 1:

@@ -56,10 +56,10 @@ def load_model(
     locations = _tensor_locations(path)
     with uninitialised(dtype, device):
         model = model_cls(hf_config)
-    if model.tp is not None and (qc is not None or quantization is not None):
+    if model.tp is not None and qc is not None:
         raise ModelLoadError(
-            "tensor parallelism over quantized linear layers is not supported yet; use "
-            "EngineArgs.tensor_parallel_size=1"
+            "tensor parallelism over compressed-tensors checkpoints is not supported yet; "
+            "use EngineArgs.tensor_parallel_size=1 (or --quantization on a float checkpoint)"
         )
     sources: dict[str, list[str]] = model.weight_sources()  # type: ignore[operator]
 
@@ -80,6 +80,8 @@ def load_model(
         if model.tp is not None:  # tensor parallelism: this rank's slices only
             _load_shards(model, params, sources, handles, stack, locations, path)
             model.init_buffers()  # type: ignore[operator]
+            if quantization is not None:
+                quantize_linears(model, quantization)
             return model.eval()
         for name, param in params.items():
             parts = [read(src) for src in sources[name]]

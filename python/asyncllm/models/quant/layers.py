@@ -26,6 +26,7 @@ kernels of later work:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -134,6 +135,20 @@ class QuantLinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, {kind}, "
             f"group={self.group_size}, {zero}"
         )
+
+
+class RowParallelQuantLinear(QuantLinear):
+    """A row-parallel slice (its rank's input columns, models/parallel_layers): the
+    partial products of every rank summed in one all-reduce. No bias."""
+
+    @classmethod
+    def of(cls, layer: QuantLinear) -> RowParallelQuantLinear:
+        return cls(layer.qweight, layer.bits, layer.scales, layer.zeros, layer.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        dist.all_reduce(out)
+        return out
 
 
 def _int_matmul(q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:

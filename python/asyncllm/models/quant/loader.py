@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from asyncllm.errors import ModelLoadError
+from asyncllm.models.parallel_layers import RowParallelLinear
 from asyncllm.models.quant.compressed import Reader, load_compressed_linear, scheme_of
-from asyncllm.models.quant.layers import QuantLinear, pack_int4
+from asyncllm.models.quant.layers import QuantLinear, RowParallelQuantLinear, pack_int4
 
 # --quantization methods: (bits of the weight integers, inputs per scale group).
 # Weights are quantized round to nearest, symmetric, one float32 scale per group of
@@ -55,32 +56,51 @@ def replace_compressed_linears(
 
 def quantize_linears(model: nn.Module, method: str) -> None:
     """Quantize every linear layer of the decoder layers (the LM head and the
-    embedding stay as they are, as llm-compressor's recipes leave them) in place."""
+    embedding stay as they are, as llm-compressor's recipes leave them) in place.
+    Under tensor parallelism each rank quantizes its own slice: column-parallel
+    layers hold whole rows; a row-parallel layer's slice of the inputs must be a
+    whole number of the groups the full row takes (ModelLoadError otherwise), so
+    every rank's integers and scales are those of the unsharded model."""
     if method not in METHODS:
         raise ModelLoadError(f"quantization={method!r}: supported: {', '.join(METHODS)}")
+    bits, group = METHODS[method]
+    tp = getattr(model, "tp", None)
     for path, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not path.startswith("layers."):
+        if not isinstance(module, nn.Linear) or not path.startswith("layers."):
             continue
-        bits, group = METHODS[method]
-        layer = quantize_weight(module.weight.detach(), bits, group, path)
+        row_parallel = isinstance(module, RowParallelLinear)
+        shards = tp.size if tp is not None and row_parallel else 1
+        layer = quantize_weight(module.weight.detach(), bits, group, path, shards)
+        if row_parallel:
+            layer = RowParallelQuantLinear.of(layer)
         _swap(model, path, module, layer)
 
 
+def group_for(in_features: int, group_size: int) -> int:
+    """`group_size`, else the largest half of it down to 32 that divides the row
+    (SmolLM2's 576 takes 64 for 128), else the whole row."""
+    for size in (group_size >> k for k in range(8)):
+        if 32 <= size <= in_features and in_features % size == 0:
+            return size
+    return in_features
+
+
 def quantize_weight(
-    weight: torch.Tensor, bits: int, group_size: int, name: str = "weight"
+    weight: torch.Tensor, bits: int, group_size: int, name: str = "weight", shards: int = 1
 ) -> QuantLinear:
     """Round-to-nearest symmetric quantization of a float [out, in] weight, one scale
-    per group of inputs: `group_size`, else the largest half of it down to 32 that
-    divides the row (SmolLM2's 576 takes 64 for 128), else one per row.
-    ModelLoadError for a 4-bit row of odd length (two values a byte)."""
+    per group of inputs (`group_for` the full row of `in * shards` inputs, when this
+    weight is one of `shards` column slices). ModelLoadError for a 4-bit row of odd
+    length (two values a byte) or a slice that splits a group."""
     out, in_features = weight.shape
     if bits == 4 and in_features % 2:
         raise ModelLoadError(f"{name}: int4 packs two inputs a byte; {in_features} is odd")
-    group = in_features
-    for size in (group_size >> k for k in range(8)):
-        if 32 <= size <= in_features and in_features % size == 0:
-            group = size
-            break
+    group = group_for(in_features * shards, group_size)
+    if in_features % group:
+        raise ModelLoadError(
+            f"{name}: tensor_parallel_size={shards} gives each rank {in_features} of its "
+            f"{in_features * shards} inputs, not a whole number of its groups of {group}"
+        )
     w = weight.float().view(out, in_features // group, group)
     qmax = (1 << (bits - 1)) - 1
     scales = w.abs().amax(dim=2) / qmax
