@@ -72,6 +72,19 @@ def test_linear_weights_are_integers_and_smaller(tiny: Path, method: str, ratio:
         assert ((layer.dequantized() - weight).abs() <= step / 2 + 1e-6).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_layer_tiles_and_dtypes_equal_the_dequantized_matmul(bits: int) -> None:
+    layer = quantize_weight(torch.randn(70, 96), bits, 32)
+    x = torch.randn(3, 5, 96)
+    want = x @ layer.dequantized().T
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    layer.tile_rows = 16  # five tiles, the last partial
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    got = layer(x.bfloat16())  # bf16 in, the weight tile cast to bf16, bf16 out
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.1)
+
+
 def _run(
     model: str, quantization: str | None
 ) -> tuple[list[list[int]], list[list[float]], list[int]]:
