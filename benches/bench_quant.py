@@ -158,6 +158,32 @@ def decode_rates(llm: LLM, conversations: list[Any], tokens: int, streams: int) 
     return rates
 
 
+def int_mm_table(reps: int = 7) -> None:
+    """W8A8's integer product: `torch._int_mm` (int32 sums) against the float GEMM on
+    the same integers as float32 (which QuantLinear would otherwise run), over
+    SmolLM2's MLP shapes; median microseconds of `reps` timings of 10 calls each."""
+    print("\n| W8A8 product [rows x in] . [out x in] | torch._int_mm us | float GEMM us | ratio |")
+    print("|---|---:|---:|---:|")
+    for out, k in ((1536, 576), (576, 1536)):
+        w = torch.randint(-127, 128, (out, k), dtype=torch.int8)
+        for rows in (1, 4, 64, 256):
+            x = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+            fns = {
+                "int": lambda x=x, w=w: torch._int_mm(x, w.t()).float(),
+                "float": lambda x=x, w=w: torch.nn.functional.linear(x.float(), w.float()),
+            }
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(reps):
+                for name, fn in fns.items():
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        fn()
+                    times[name].append((time.perf_counter() - t0) / 10 * 1e6)
+            a, b = median(times["int"]), median(times["float"])
+            print(f"| [{rows} x {k}] . [{out} x {k}] | {a:.0f} | {b:.0f} | {b / a:.1f} |")
+
+
 SETUPS = ("gguf", "bf16", "int8", "int4", "ct-w8a8", "ct-w4a16")
 
 
@@ -220,6 +246,7 @@ def main() -> None:
     if "bf16" not in names or not set(names) <= set(SETUPS):
         ap.error(f"--setups: names from {SETUPS}, bf16 among them (the baseline)")
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
+    int_mm_table(1 if args.quick else 7)
     path = fetch()
     folder = prepare_gguf(path)
     conversations = [c["messages"] for c in json.loads(FIXTURE.read_text())["cases"]]
