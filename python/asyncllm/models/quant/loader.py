@@ -10,6 +10,8 @@ A quantized LM head becomes `model.logits_head`.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +76,19 @@ def quantize_linears(model: nn.Module, method: str) -> None:
         if row_parallel:
             layer = RowParallelQuantLinear.of(layer)
         _swap(model, path, module, layer)
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed float weights back to the OS: glibc keeps freed heap pages
+    mapped (SmolLM2 from bf16, resident memory added by the load: int8 204 -> 192
+    MiB, int4 168 -> 149 MiB; bf16 itself 271)."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl): nothing to trim this way
+        pass
 
 
 def group_for(in_features: int, group_size: int) -> int:
