@@ -103,9 +103,10 @@ def _vllm_input_quant(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -
 
 # every scheme's weights are checked above; the engine end to end on one of each kind
 @pytest.mark.parametrize("name", ["w8a8", "w4a16_g32_asym", "w4a16_g128_sym"])
-def test_greedy_equals_transformers_on_the_dequantized_weights(
+def test_greedy_and_logprobs_equal_transformers_on_the_dequantized_weights(
     checkpoints: dict[str, tuple[Path, Path]], name: str
 ) -> None:
+    """Tokens equal; every prompt token's logprob equal to float rounding."""
     from transformers import AutoModelForCausalLM
 
     compressed, reference = checkpoints[name]
@@ -115,10 +116,19 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(
             if isinstance(module, torch.nn.Linear) and module_name != "lm_head":
                 module.register_forward_pre_hook(_vllm_input_quant)
     want = hf_greedy(reference, PROMPTS, MAX_TOKENS, model=hf)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=0
+    )
     with LLM(model=str(compressed), dtype="float32", max_model_len=256) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        pairs = zip(out.prompt_logprobs[1:], prompt[1:], strict=True)
+        got = torch.tensor([lp[t].logprob for lp, t in pairs])
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
 
 
 def test_unsupported_schemes_are_named(checkpoints: dict[str, tuple[Path, Path]]) -> None:
