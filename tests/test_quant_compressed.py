@@ -17,6 +17,8 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.errors import ModelLoadError
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.loader import load_model
+from asyncllm.models.parallel_layers import Shard
+from asyncllm.models.quant.compressed import _slice
 from asyncllm.models.quant.layers import QuantLinear, quantize_rows_int8
 from quant_checkpoints import SCHEMES, write_compressed
 from tiny_models import hf_greedy
@@ -129,6 +131,38 @@ def test_greedy_and_logprobs_equal_transformers_on_the_dequantized_weights(
         pairs = zip(out.prompt_logprobs[1:], prompt[1:], strict=True)
         got = torch.tensor([lp[t].logprob for lp, t in pairs])
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
+
+
+def test_two_ranks_hold_whole_groups_and_give_one_ranks_tokens(
+    checkpoints: dict[str, tuple[Path, Path]],
+) -> None:
+    """Tensor parallelism over a W4A16 checkpoint (asymmetric, groups of 32): each
+    rank keeps its rows or whole groups of its input columns, with their scales and
+    zero points; the tokens are one rank's."""
+    compressed, _ = checkpoints["w4a16_g32_asym"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(
+            str(compressed),
+            multiprocess=False,
+            dtype="float32",
+            max_model_len=256,
+            tensor_parallel_size=tp,
+        )
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            if llm.engine.core is not None:
+                llm.engine.core.close()  # stops the workers
+            llm.shutdown()
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+    assert tokens[0] == tokens[1]
+    # a rank's columns that would split a group: an error naming the module
+    part = (torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2), None, 64)
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.down_proj: .* groups of 32"):
+        _slice(part, Shard("w", 1, 16, 48), 4, "model.layers.0.mlp.down_proj")
 
 
 def test_unsupported_schemes_are_named(checkpoints: dict[str, tuple[Path, Path]]) -> None:

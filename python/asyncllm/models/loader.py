@@ -56,11 +56,6 @@ def load_model(
     locations = _tensor_locations(path)
     with uninitialised(dtype, device):
         model = model_cls(hf_config)
-    if model.tp is not None and qc is not None:
-        raise ModelLoadError(
-            "tensor parallelism over compressed-tensors checkpoints is not supported yet; "
-            "use EngineArgs.tensor_parallel_size=1 (or --quantization on a float checkpoint)"
-        )
     sources: dict[str, list[str]] = model.weight_sources()  # type: ignore[operator]
 
     with ExitStack() as stack, torch.no_grad():

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from asyncllm.errors import ModelLoadError
+from asyncllm.models.parallel_layers import Shard
 from asyncllm.models.quant.layers import QuantLinear, unpack_int4
 
 _INT_FORMATS = ("int-quantized", "naive-quantized")
@@ -139,10 +140,15 @@ Reader = Callable[[str], torch.Tensor]
 
 
 def load_compressed_linear(
-    read: Reader, has: Callable[[str], bool], modules: list[str], schemes: list[Scheme]
+    read: Reader,
+    has: Callable[[str], bool],
+    modules: list[str],
+    schemes: list[Scheme],
+    shards: list[Shard] | None = None,
 ) -> QuantLinear:
     """One QuantLinear over checkpoint modules `modules` (several: a fused q/k/v or
-    gate/up, stacked by output rows), which must share a scheme."""
+    gate/up, stacked by output rows), which must share a scheme; with `shards` (one
+    per module: tensor parallelism), only this rank's rows or input columns."""
     if len(set(schemes)) != 1:
         raise ModelLoadError(
             f"modules {', '.join(modules)} are fused in asyncllm but quantized differently "
@@ -150,6 +156,9 @@ def load_compressed_linear(
         )
     scheme = schemes[0]
     parts = [_read_part(read, has, m, scheme) for m in modules]
+    if shards is not None:
+        cuts = zip(parts, shards, modules, strict=True)
+        parts = [_slice(part, shard, scheme.bits, m) for part, shard, m in cuts]
     in_features = parts[0][3]
     groups = {p[1].shape[1] for p in parts}
     if len(groups) != 1 or any(p[3] != in_features for p in parts):
@@ -166,9 +175,12 @@ def load_compressed_linear(
         raise ModelLoadError(f"modules {', '.join(modules)}: {e}") from e
 
 
-def _read_part(
-    read: Reader, has: Callable[[str], bool], module: str, scheme: Scheme
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+# One checkpoint module's (qweight, scales [out, groups] float32, zeros int8 or None,
+# in_features).
+Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]
+
+
+def _read_part(read: Reader, has: Callable[[str], bool], module: str, scheme: Scheme) -> Part:
     """(qweight, scales [out, groups] float32, zeros int8 or None, in_features)."""
     if has(f"{module}.weight_g_idx"):
         raise ModelLoadError(f"{module}.weight_g_idx: activation reordering is not supported")
@@ -196,6 +208,29 @@ def _read_part(
         raw = read(f"{module}.weight_zero_point")
         zeros = _zeros(raw, scheme.bits, out, scales.shape[1], module)
     return qweight, scales, zeros, in_features
+
+
+def _slice(part: Part, shard: Shard, bits: int, module: str) -> Part:
+    """A tensor-parallel rank's rows (dim 0) or input columns (dim 1) of one part.
+    Columns are cut on group boundaries (each rank keeps whole groups, their scales
+    and zero points), else ModelLoadError naming the module."""
+    qweight, scales, zeros, in_features = part
+    if shard.dim is None:
+        return part
+    lo, hi = shard.start, shard.stop
+    if shard.dim == 0:
+        rows = slice(lo, hi)
+        return qweight[rows], scales[rows], None if zeros is None else zeros[rows], in_features
+    group = in_features // scales.shape[1]
+    if lo % group or hi % group:
+        raise ModelLoadError(
+            f"{module}: a rank's input columns [{lo}, {hi}) split its groups of {group} "
+            "(tensor_parallel_size must give each rank whole groups)"
+        )
+    per_byte = 8 // bits
+    cols, groups = slice(lo // per_byte, hi // per_byte), slice(lo // group, hi // group)
+    sliced_zeros = None if zeros is None else zeros[:, groups].contiguous()
+    return qweight[:, cols].contiguous(), scales[:, groups].contiguous(), sliced_zeros, hi - lo
 
 
 def _per_row(t: torch.Tensor, out: int, module: str, name: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import ModelLoadError
-from asyncllm.models.parallel_layers import RowParallelLinear
+from asyncllm.models.parallel_layers import RowParallelLinear, weight_shards
 from asyncllm.models.quant.compressed import Reader, load_compressed_linear, scheme_of
 from asyncllm.models.quant.layers import QuantLinear, RowParallelQuantLinear, pack_int4
 
@@ -39,11 +39,15 @@ def replace_compressed_linears(
     has: Callable[[str], bool],
 ) -> None:
     """Swap every Linear that the checkpoint stores quantized for a QuantLinear read
-    from it; its bias (if any) is left for the float loader to fill."""
+    from it; its bias (if any) is left for the float loader to fill. Under tensor
+    parallelism a rank keeps its slices (`weight_shards`), row-parallel layers
+    all-reducing their partial products."""
+    tp = getattr(model, "tp", None)
     for path, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
+        if not isinstance(module, nn.Linear):
             continue
-        names = [src.removesuffix(".weight") for src in sources[f"{path}.weight"]]
+        srcs = sources[f"{path}.weight"]
+        names = [src.removesuffix(".weight") for src in srcs]
         schemes = [scheme_of(qc, name) for name in names]
         if all(s is None for s in schemes):
             continue
@@ -52,7 +56,13 @@ def replace_compressed_linears(
                 f"modules {', '.join(names)} are fused in asyncllm but only some are "
                 "quantized in the checkpoint (quantization_config.ignore)"
             )
-        layer = load_compressed_linear(read, has, names, schemes)  # type: ignore[arg-type]
+        shards = None
+        if tp is not None:
+            head_dim, vocab = model.head_dim, model.vocab_size
+            shards = weight_shards(f"{path}.weight", srcs, tp, head_dim, vocab)  # type: ignore[arg-type]
+        layer = load_compressed_linear(read, has, names, schemes, shards)  # type: ignore[arg-type]
+        if isinstance(module, RowParallelLinear):
+            layer = RowParallelQuantLinear.of(layer)
         _swap(model, path, module, layer)
 
 
