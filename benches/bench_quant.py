@@ -1,8 +1,12 @@
 """Quantized weights kept quantized: SmolLM2-135M-Instruct from its GGUF (Q4_1
 layers, Q8_0 embedding) against the same weights dequantized to a bf16 safetensors
-checkpoint, in the engine.
+checkpoint, in the engine; and the other quantized encodings of those bf16 weights:
+`--quantization int8` / `int4` at load, and compressed-tensors checkpoints written
+from them (W8A8 int8 with dynamic per-token inputs, W4A16 groups of 32; needs
+`pip install 'asyncllm[compressed-tensors]'`).
 
     python benches/bench_quant.py [--rounds 3] [--tokens 64] [--streams 64] [--quick]
+        [--setups gguf,bf16,int8,int4,ct-w8a8,ct-w4a16]
 
 Reported, for each model:
   - load: `load_model` in this process (the GGUF's folder prepared beforehand, as a
@@ -13,7 +17,7 @@ Reported, for each model:
   - tokens/s: batch-1 decode (one chat prompt, `--tokens` new tokens) and
     `--streams` concurrent chats, greedy and sampled (temperature 1.0, top_p 0.95,
     a seed per request), the two engines alternating round by round; the median of
-    `--rounds`, and the median of the per-round ratios GGUF / bf16.
+    `--rounds`, and the median of the per-round ratios to bf16.
 
 The issue's targets: RSS <= 1.3x the file size plus the KV cache; GGUF no slower than
 bf16 at batch 1 and 64 streams; load <= 3 s.
@@ -39,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_roofline import machine_header  # noqa: E402
+from compressed_checkpoint import write_compressed  # noqa: E402
 from fetch_smollm2 import fetch  # noqa: E402
 from models import QUICK_HELP  # noqa: E402
 
@@ -61,9 +66,10 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
 folder, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+quantization = sys.argv[3] if len(sys.argv) > 3 else None
 cfg = load_hf_config(folder)
 before = rss()
-model = load_model(folder, cfg, dtype, torch.device("cpu"))
+model = load_model(folder, cfg, dtype, torch.device("cpu"), quantization)
 print(before, rss())
 """
 
@@ -102,21 +108,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def load_times(folder: Path, dtype: torch.dtype, rounds: int) -> float:
+def load_times(folder: Path, dtype: torch.dtype, rounds: int, quantization: str | None) -> float:
     from asyncllm.models.loader import load_model
 
     cfg = load_hf_config(folder)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        load_model(folder, cfg, dtype, torch.device("cpu"))
+        load_model(folder, cfg, dtype, torch.device("cpu"), quantization)
         times.append(time.perf_counter() - t0)
     return median(times)
 
 
-def load_rss(folder: Path, dtype: str) -> float:
+def load_rss(folder: Path, dtype: str, quantization: str | None) -> float:
+    extra = [quantization] if quantization else []
     out = subprocess.run(
-        [sys.executable, "-c", _RSS_PROBE, str(folder), dtype],
+        [sys.executable, "-c", _RSS_PROBE, str(folder), dtype, *extra],
         capture_output=True,
         text=True,
         check=True,
@@ -151,41 +158,102 @@ def decode_rates(llm: LLM, conversations: list[Any], tokens: int, streams: int) 
     return rates
 
 
+def int_mm_table(reps: int = 7) -> None:
+    """W8A8's integer product: `torch._int_mm` (int32 sums) against the float GEMM on
+    the same integers as float32 (which QuantLinear would otherwise run), over
+    SmolLM2's MLP shapes; median microseconds of `reps` timings of 10 calls each."""
+    print("\n| W8A8 product [rows x in] . [out x in] | torch._int_mm us | float GEMM us | ratio |")
+    print("|---|---:|---:|---:|")
+    for out, k in ((1536, 576), (576, 1536)):
+        w = torch.randint(-127, 128, (out, k), dtype=torch.int8)
+        for rows in (1, 4, 64, 256):
+            x = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+            fns = {
+                "int": lambda x=x, w=w: torch._int_mm(x, w.t()).float(),
+                "float": lambda x=x, w=w: torch.nn.functional.linear(x.float(), w.float()),
+            }
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(reps):
+                for name, fn in fns.items():
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        fn()
+                    times[name].append((time.perf_counter() - t0) / 10 * 1e6)
+            a, b = median(times["int"]), median(times["float"])
+            print(f"| [{rows} x {k}] . [{out} x {k}] | {a:.0f} | {b:.0f} | {b / a:.1f} |")
+
+
+SETUPS = ("gguf", "bf16", "int8", "int4", "ct-w8a8", "ct-w4a16")
+
+
+def setups_for(names: list[str], path: Path, folder: Path, tmp: Path) -> dict[str, Any]:
+    """Per setup: (the folder load_model reads, dtype, the engine's model, quantization)."""
+    (tmp / "bf16").mkdir()
+    dense = dense_checkpoint(folder, tmp / "bf16")
+    table: dict[str, Any] = {
+        "gguf": (folder, "float32", str(path), None),
+        "bf16": (dense, "bfloat16", str(dense), None),
+        "int8": (dense, "bfloat16", str(dense), "int8"),
+        "int4": (dense, "bfloat16", str(dense), "int4"),
+    }
+    # groups of 32: SmolLM2's hidden size 576 is not a multiple of 128
+    for name, scheme in (("ct-w8a8", "w8a8"), ("ct-w4a16", "w4a16_g32_sym")):
+        if name in names:
+            out = write_compressed(dense, tmp / name, scheme)
+            table[name] = (out, "bfloat16", str(out), None)
+    return {name: table[name] for name in names}
+
+
+def start_engines(
+    setups: dict[str, Any], rounds: int, num_blocks: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, LLM]]:
+    """Each setup's load figures and its running engine."""
+    report: dict[str, dict[str, Any]] = {}
+    engines = {}
+    for name, (where, dtype, model, quantization) in setups.items():
+        row = report[name] = {}
+        row["load_s"] = load_times(where, getattr(torch, dtype), rounds, quantization)
+        row["load_rss_mib"] = load_rss(where, dtype, quantization)
+        before = set(descendants(os.getpid()))
+        t0 = time.perf_counter()
+        engines[name] = LLM(
+            model=model,
+            dtype=dtype,
+            num_kv_blocks=num_blocks,
+            max_model_len=1024,
+            quantization=quantization,
+        )
+        row["startup_s"] = time.perf_counter() - t0
+        core = max(set(descendants(os.getpid())) - before, key=rss_of)
+        row["core_rss_mib"] = rss_of(core)
+        row["kv_mib"] = kv_bytes(where, num_blocks, getattr(torch, dtype).itemsize) / 2**20
+    return report, engines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS}")
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
-    if args.quick:
+    if args.quick:  # one setup per loader: the GGUF, --quantization, compressed-tensors
         args.rounds, args.tokens, args.streams = 1, 4, 4
+        args.setups = "gguf,bf16,int4,ct-w8a8"
+    names = args.setups.split(",")
+    if "bf16" not in names or not set(names) <= set(SETUPS):
+        ap.error(f"--setups: names from {SETUPS}, bf16 among them (the baseline)")
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
+    int_mm_table(1 if args.quick else 7)
     path = fetch()
     folder = prepare_gguf(path)
     conversations = [c["messages"] for c in json.loads(FIXTURE.read_text())["cases"]]
     num_blocks = max(args.streams * -(-(64 + args.tokens) // BLOCK_SIZE), 1024 // BLOCK_SIZE) + 8
     with tempfile.TemporaryDirectory() as tmp:
-        dense = dense_checkpoint(folder, Path(tmp))
-        setups = {
-            "gguf": (folder, "float32", str(path)),
-            "bf16": (dense, "bfloat16", str(dense)),
-        }
-        report: dict[str, dict[str, Any]] = {}
-        engines = {}
-        for name, (where, dtype, model) in setups.items():
-            row = report[name] = {}
-            row["load_s"] = load_times(where, getattr(torch, dtype), args.rounds)
-            row["load_rss_mib"] = load_rss(where, dtype)
-            before = set(descendants(os.getpid()))
-            t0 = time.perf_counter()
-            engines[name] = LLM(
-                model=model, dtype=dtype, num_kv_blocks=num_blocks, max_model_len=1024
-            )
-            row["startup_s"] = time.perf_counter() - t0
-            core = max(set(descendants(os.getpid())) - before, key=rss_of)
-            row["core_rss_mib"] = rss_of(core)
-            row["kv_mib"] = kv_bytes(where, num_blocks, getattr(torch, dtype).itemsize) / 2**20
+        setups = setups_for(names, path, folder, Path(tmp))
+        report, engines = start_engines(setups, args.rounds, num_blocks)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, llm in engines.items():
@@ -210,14 +278,18 @@ def print_report(
             f"({r['load_rss_mib'] / file_mib:.2f}) | {r['startup_s']:.1f} | "
             f"{r['core_rss_mib']:.0f} | {r['kv_mib']:.0f} |"
         )
-    keys = list(runs["gguf"][0])
-    print("\n| tokens/s | gguf | bf16 | gguf / bf16 (median of per-round ratios) |")
-    print("|---|---:|---:|---:|")
+    keys = list(runs["bf16"][0])
+    others = [name for name in runs if name != "bf16"]
+    print("\n| tokens/s | bf16 | " + " | ".join(f"{n} (/ bf16)" for n in others) + " |")
+    print("|---|---:|" + "---:|" * len(others))
     for key in keys:
-        g = [r[key] for r in runs["gguf"]]
-        b = [r[key] for r in runs["bf16"]]
-        ratio = median(x / y for x, y in zip(g, b, strict=True))
-        print(f"| {key} | {median(g):.1f} | {median(b):.1f} | {ratio:.2f} |")
+        base = [r[key] for r in runs["bf16"]]
+        cells = []
+        for name in others:
+            got = [r[key] for r in runs[name]]
+            ratio = median(x / y for x, y in zip(got, base, strict=True))
+            cells.append(f"{median(got):.1f} ({ratio:.2f})")
+        print(f"| {key} | {median(base):.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """SmolLM2-135M-Instruct from its GGUF (Q4_1 layers, a Q8_0 embedding tied to the
 LM head): loaded with its weights kept in blocks, it continues chat prompts exactly
 as transformers does on the same file (greedy, float32), through `LLM.chat` and
-through the OpenAI-compatible server. The references are transformers' output,
-recorded by tools/smollm2_reference.py in tests/fixtures/smollm2_greedy.json."""
+through the OpenAI-compatible server (whose echo + logprobs scores a text as
+transformers does). The references are transformers' output, recorded by
+tools/smollm2_reference.py in tests/fixtures/smollm2_greedy.json and
+smollm2_scores.json."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.loader import load_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_greedy.json"
+SCORES = Path(__file__).parent / "fixtures" / "smollm2_scores.json"
 NUM_CASES = 8
 
 
@@ -72,6 +75,7 @@ def test_chat_through_the_server_with_the_openai_client(
     server = Server(
         tmp_path / "server.log", str(smollm2_gguf), "--dtype", "float32", "--max-model-len", "512"
     )
+    scored = json.loads(SCORES.read_text(encoding="utf-8"))["texts"][2]
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=60)
         reply = client.chat.completions.create(
@@ -80,6 +84,20 @@ def test_chat_through_the_server_with_the_openai_client(
             max_tokens=reference["max_tokens"],
             temperature=0,
         )
+        # the scoring API over HTTP: echo + logprobs gives each prompt token's logprob
+        echo = client.completions.create(
+            model=str(smollm2_gguf),
+            prompt=scored["token_ids"],
+            max_tokens=1,
+            temperature=0,
+            echo=True,
+            logprobs=0,
+        )
     finally:
         server.stop()
     assert reply.choices[0].message.content == case["text"]
+    n = len(scored["token_ids"])
+    got = echo.choices[0].logprobs.token_logprobs[:n]
+    assert got[0] is None  # nothing predicts the first token
+    worst = max(abs(a - b) for a, b in zip(got[1:], scored["logprobs"], strict=True))
+    assert worst <= 1e-3  # transformers' on the same file (tests/test_gguf_scores.py)

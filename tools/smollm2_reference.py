@@ -1,7 +1,10 @@
 """Greedy continuations of SmolLM2-135M-Instruct (GGUF Q4_1) by transformers, the
 reference the engine must equal: written to tests/fixtures/smollm2_greedy.json,
 which tests/test_gguf_smollm2.py reads (so the tests need not load transformers'
-model, ~30 s here), and checked against the engine by `--check`.
+model, ~30 s here), and checked against the engine by `--check`. Beside it,
+tests/fixtures/smollm2_scores.json: transformers' log-probability of every token
+of a few texts (the scoring API's reference, tests/test_gguf_scores.py), one of
+them a held-out paragraph whose perplexity faster kernels must keep.
 
 transformers dequantizes the GGUF to float32 with its own GGUF loader
 (`load_gguf_checkpoint`: the q/k rows un-permuted, the tied head), and renders the
@@ -27,6 +30,22 @@ sys.path.insert(0, str(ROOT / "tools"))
 from fetch_smollm2 import SHA256, fetch  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "smollm2_greedy.json"
+SCORES = ROOT / "tests" / "fixtures" / "smollm2_scores.json"
+# Scored texts: the last is the held-out paragraph (written for this file, so in
+# no training set) whose perplexity is checked.
+SCORED_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Water boils at 100 degrees Celsius at sea level, and at a lower temperature on "
+    "a mountain, where the air pressure is lower.",
+    "On the morning the ferry stopped running, the island's baker opened an hour "
+    "early. She had flour for a week, yeast for two, and a radio that only caught "
+    "the weather from the mainland. By noon the queue reached the harbour wall, and "
+    "people who had not spoken in years were trading jokes about the price of "
+    "bread. The mayor arrived last, carrying a basket of eggs from his own hens, "
+    "and asked whether the ovens could run through the night. They could, she said, "
+    "if someone kept the fire fed and nobody minded loaves shaped like boats.",
+]
 MAX_TOKENS = 16
 PROMPTS = [
     "What is the capital of France?",
@@ -102,6 +121,22 @@ def write_fixture(path: Path) -> None:
     print(f"wrote {FIXTURE}")
 
 
+def write_scores(path: Path) -> None:
+    """transformers' log-probability of each token (after the first) of each text."""
+    tok, model = reference_model(path)
+    texts = []
+    for text in SCORED_TEXTS:
+        ids = tok(text)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        logprobs = torch.log_softmax(logits[:-1], dim=-1)
+        scores = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        texts.append({"text": text, "token_ids": ids, "logprobs": scores})
+    body = {"gguf_sha256": SHA256, "texts": texts}
+    SCORES.write_text(json.dumps(body, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {SCORES}")
+
+
 def check(path: Path) -> int:
     """The engine (float32) on every case of the fixture; the number that differ."""
     from asyncllm import LLM, SamplingParams
@@ -124,11 +159,14 @@ def check(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="check the engine against it")
+    parser.add_argument("--scores-only", action="store_true", help="write only the scores")
     args = parser.parse_args()
     path = fetch()
     if args.check:
         raise SystemExit(1 if check(path) else 0)
-    write_fixture(path)
+    if not args.scores_only:
+        write_fixture(path)
+    write_scores(path)
 
 
 if __name__ == "__main__":

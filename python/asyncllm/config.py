@@ -44,6 +44,10 @@ class EngineArgs:
     dtype: str = "auto"
     # The KV cache's dtype; "auto" = the model's (float16 models keep float16 on CUDA)
     kv_cache_dtype: str = "auto"
+    # vLLM's --quantization: "int8" or "int4" quantizes a float checkpoint's linear
+    # layers at load (round to nearest, per-group scales; models/quant). None: the
+    # checkpoint as it is (GGUF and compressed-tensors checkpoints stay quantized).
+    quantization: str | None = None
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
@@ -217,6 +221,7 @@ class EngineArgs:
             tokenizer=self.tokenizer or self.model,
             dtype=dtype_name,
             kv_cache_dtype=kv_dtype,
+            quantization=self.quantization,
             device=device,
             block_size=self.block_size,
             kv_cache_memory_gib=kv_gib,
@@ -253,6 +258,7 @@ class EngineConfig:
     tokenizer: str
     dtype: str  # float32, bfloat16 or float16
     kv_cache_dtype: str  # float32, bfloat16 or float16 (the model's, on CUDA only)
+    quantization: str | None  # int8, int4 or None (EngineArgs.quantization)
     device: str  # cpu or cuda
     block_size: int
     kv_cache_memory_gib: float | None

@@ -21,6 +21,7 @@ DATA_PARALLEL_BACKENDS = ("mp", "ray")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 OMP_WAIT_POLICIES = ("passive", "active", "inherit")
 LINEAR_KERNELS = ("auto", "torch", "onednn", "rust")
+QUANTIZATIONS = ("int8", "int4")
 MAX_BLOCK_SIZE = 256
 MAX_DATA_PARALLEL = 64
 MAX_TENSOR_PARALLEL = 64
@@ -91,6 +92,11 @@ RULES: tuple[Rule, ...] = (
     one_of("dtype", DTYPES),
     one_of("kv_cache_dtype", KV_CACHE_DTYPES),
     one_of("device", DEVICES),
+    Rule(
+        "quantization",
+        lambda v: v is None or v in QUANTIZATIONS,
+        f"None or one of {', '.join(QUANTIZATIONS)}",
+    ),
     integer("block_size", 1, MAX_BLOCK_SIZE),
     Rule(
         "block_size",

@@ -20,6 +20,7 @@ from asyncllm.config_rules import (
     EXECUTORS,
     KV_CACHE_DTYPES,
     OMP_WAIT_POLICIES,
+    QUANTIZATIONS,
 )
 from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.sampling_params import SamplingParams
@@ -30,6 +31,9 @@ ENGINE_HELP: dict[str, str] = {
     "checkpoint's torch_dtype; float16 runs as bfloat16 on the CPU)",
     "kv_cache_dtype": f"KV cache dtype, one of {', '.join(KV_CACHE_DTYPES)} (auto: the "
     "model's dtype)",
+    "quantization": f"quantize a float checkpoint's linear layers at load, one of"
+    f" {', '.join(QUANTIZATIONS)} (round to nearest, a scale per 128 inputs for int8, 32"
+    " for int4; weights stay integers in memory; default: the checkpoint as it is)",
     "device": f"where the model runs, one of {', '.join(DEVICES)}",
     "block_size": "tokens per KV-cache block (a power of two)",
     "kv_cache_memory_gib": "KV-cache size in GiB (exclusive with --num-kv-blocks)",
@@ -96,6 +100,7 @@ _CHOICES = {
     "data_parallel_backend": DATA_PARALLEL_BACKENDS,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
     "omp_wait_policy": OMP_WAIT_POLICIES,
+    "quantization": QUANTIZATIONS,
 }
 
 

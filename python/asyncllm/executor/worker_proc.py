@@ -171,7 +171,8 @@ def run_worker(config: EngineConfig, rank: int, size: int, link: Link) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     set_tensor_parallel(rank, size)
-    model = load_model(config.model, load_hf_config(config.model), config.torch_dtype, device)
+    hf_config = load_hf_config(config.model)
+    model = load_model(config.model, hf_config, config.torch_dtype, device, config.quantization)
     num_blocks = num_kv_blocks_for(config, model)
     link.send(b"R")
     threading.Thread(target=_heartbeat, args=(link,), name="heartbeat", daemon=True).start()

@@ -20,19 +20,34 @@ from asyncllm.gguf_files import is_prepared
 from asyncllm.models.construct import get_model_class, uninitialised
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.parallel_layers import Shard, weight_shards
+from asyncllm.models.quant.compressed import compressed_config
+from asyncllm.models.quant.loader import quantize_linears, replace_compressed_linears
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
-    model_dir: str | Path, hf_config: Any, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The model of `model_dir` with its weights in `dtype` on `device`, in eval mode.
+    Quantized weights (GGUF blocks, compressed-tensors integers) stay quantized;
+    `quantization` ("int8", "int4") quantizes a float checkpoint's linear layers.
 
-    Raises ModelLoadError naming the missing weight file or tensor.
+    Raises ModelLoadError naming the missing weight file or tensor, or the
+    quantization that cannot apply.
     """
     path = Path(model_dir)
+    qc = compressed_config(hf_config)
+    if quantization is not None and (qc is not None or is_prepared(path)):
+        raise ModelLoadError(
+            f"quantization={quantization!r} quantizes float checkpoints; {path} is already "
+            "quantized (GGUF or compressed-tensors): leave quantization unset"
+        )
     if is_prepared(path):  # a GGUF model: its weights stay in their blocks
         from asyncllm.models.gguf.loader import load_gguf_model
 
@@ -42,7 +57,6 @@ def load_model(
     with uninitialised(dtype, device):
         model = model_cls(hf_config)
     sources: dict[str, list[str]] = model.weight_sources()  # type: ignore[operator]
-    params = dict(model.named_parameters())
 
     with ExitStack() as stack, torch.no_grad():
         handles: dict[str, Any] = {}
@@ -55,9 +69,14 @@ def load_model(
                 handles[file] = stack.enter_context(safe_open(path / file, framework="pt"))
             return handles[file].get_tensor(name)
 
+        if qc is not None:  # integer weights into QuantLinear layers, before the floats
+            replace_compressed_linears(model, qc, sources, read, locations.__contains__)
+        params = dict(model.named_parameters())
         if model.tp is not None:  # tensor parallelism: this rank's slices only
             _load_shards(model, params, sources, handles, stack, locations, path)
             model.init_buffers()  # type: ignore[operator]
+            if quantization is not None:
+                quantize_linears(model, quantization)
             return model.eval()
         for name, param in params.items():
             parts = [read(src) for src in sources[name]]
@@ -78,6 +97,8 @@ def load_model(
                 )
             param.copy_(tensor)
     model.init_buffers()  # type: ignore[operator]
+    if quantization is not None:
+        quantize_linears(model, quantization)
     return model.eval()
 
 

@@ -89,7 +89,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.model = load_model(config.model, hf_config, config.torch_dtype, self.device)
+        self.model = load_model(
+            config.model, hf_config, config.torch_dtype, self.device, config.quantization
+        )
         self.linear_kernels = select_linear_kernels(
             self.model,
             mode=config.linear_kernel,
