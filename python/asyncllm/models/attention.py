@@ -119,6 +119,10 @@ class AttentionMetadata:
     # Batch-invariant mode: every prompt token's attention as a decode of its own
     # (`token_wise_prefill`): per token its block table and seq_len; None otherwise.
     token_wise: tuple[torch.Tensor, torch.Tensor] | None = None
+    # How many prefill spans, from the first, `token_wise` covers (None: all). The
+    # rest run on the prefill path. Speculative decoding sets it: its verification
+    # spans (a request's last token and its drafts) attend token-wise, prompts not.
+    token_wise_spans: int | None = None
     # Host copies of the decodes' block tables and seq_lens, for `window_decodes`.
     _decode_tables_host: np.ndarray | None = field(default=None, repr=False)
     _decode_lens_host: np.ndarray | None = field(default=None, repr=False)
@@ -277,10 +281,16 @@ def paged_attention(
         else:
             dec = q[:num_decodes]
             outputs.append(_decode_attention_ext(dec, kv_cache, meta, scale, window, softcap))
+    spans = meta.prefills
     if meta.token_wise is not None and softcap is None and can_use_native_decode(q, kv_cache):
         tables, lens = meta.token_wise
-        outputs.append(_native_decode(q[num_decodes:], kv_cache, tables, lens, scale, window or 0))
-    for span in [] if meta.token_wise is not None and softcap is None else meta.prefills:
+        end = num_decodes + len(lens)
+        tw = _native_decode(q[num_decodes:end], kv_cache, tables, lens, scale, window or 0)
+        outputs.append(tw)
+        spans = [] if meta.token_wise_spans is None else spans[meta.token_wise_spans :]
+    elif meta.token_wise is not None and softcap is None and meta.token_wise_spans is None:
+        spans = []  # batch-invariant mode off the native kernel (as before)
+    for span in spans:
         first, mask = (0, span.mask) if window is None else span.window(window, q.device)
         if span.block_table is None:
             keys, values = k[span.start + first : span.end], v[span.start + first : span.end]
