@@ -9,15 +9,16 @@
 //! at the new positions: a step costs O(new tokens * (max_n - min_n + 1)),
 //! never a rescan of the context.
 //!
-//! A row whose drafts keep being rejected stops proposing for a while (its
-//! cooldown doubles on every miss, up to `MAX_COOLDOWN` steps), so text with
-//! nothing to copy costs almost nothing.
+//! A row whose drafts keep being rejected outright stops proposing for a
+//! while (its cooldown doubles on every such miss, up to `MAX_COOLDOWN` steps;
+//! any accepted draft token resets it), so text with nothing to copy costs
+//! almost nothing.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// Steps a row waits, at most, before proposing again after rejected drafts.
-pub const MAX_COOLDOWN: u32 = 64;
+pub const MAX_COOLDOWN: u32 = 8;
 /// The most tokens one proposal may hold.
 pub const MAX_DRAFTS: usize = 64;
 /// The longest n-gram a proposer may match.
@@ -153,9 +154,9 @@ impl NgramProposer {
         state.tokens.extend_from_slice(new_tokens);
         self.index(&mut state);
         if drafted > 0 {
-            if accepted * 2 >= drafted {
+            if accepted > 0 {
                 state.cooldown = 1;
-            } else if accepted == 0 {
+            } else {
                 state.wait = state.cooldown;
                 state.cooldown = (state.cooldown * 2).min(MAX_COOLDOWN);
             }
