@@ -36,13 +36,13 @@ from fetch_smollm2 import fetch  # noqa: E402
 
 from asyncllm import LLM, SamplingParams  # noqa: E402
 
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item.price * item.quantity
     tax = subtotal * tax_rate
     return subtotal + tax
-'''
+"""
 PARAGRAPH = (
     "The library opens at nine in the morning and closes at six in the evening. "
     "Visitors may borrow up to five books at a time for three weeks. Books that are "
@@ -155,7 +155,9 @@ def identical(a: list[list[int]], b: list[list[int]]) -> list[int]:
     same = total = 0
     for x, y in zip(a, b, strict=True):
         total += max(len(x), len(y))
-        same += next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        same += next(
+            (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y))
+        )
     return [same, total]
 
 

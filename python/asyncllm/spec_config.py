@@ -70,7 +70,9 @@ class SpeculativeConfig:
             )
         method = value.get("method", "ngram")
         if method in NOT_IMPLEMENTED:
-            raise _fail("method", method, f"one of {', '.join(METHODS)} ({method} is not implemented)")
+            raise _fail(
+                "method", method, f"one of {', '.join(METHODS)} ({method} is not implemented)"
+            )
         if method not in METHODS:
             raise _fail("method", method, f"one of {', '.join(METHODS)}")
         if "model" in value:

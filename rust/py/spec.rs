@@ -49,8 +49,11 @@ impl PyNgramProposer {
 impl PyNgramProposer {
     #[new]
     fn new(num_rows: usize, prompt_lookup_min: usize, prompt_lookup_max: usize) -> PyResult<Self> {
-        let inner = NgramProposer::new(num_rows, prompt_lookup_min, prompt_lookup_max).map_err(err)?;
-        Ok(PyNgramProposer { inner: Mutex::new(inner) })
+        let inner =
+            NgramProposer::new(num_rows, prompt_lookup_min, prompt_lookup_max).map_err(err)?;
+        Ok(PyNgramProposer {
+            inner: Mutex::new(inner),
+        })
     }
 
     /// Start `row` with its tokens so far (`tokens`, int32); indexes them with
@@ -113,7 +116,14 @@ impl PyNgramProposer {
             for i in 0..m {
                 let new = &toks[offsets[i]..offsets[i + 1]];
                 let n = proposer
-                    .step(rows[i], new, drafted[i], accepted[i], max_drafts[i], &mut out)
+                    .step(
+                        rows[i],
+                        new,
+                        drafted[i],
+                        accepted[i],
+                        max_drafts[i],
+                        &mut out,
+                    )
                     .map_err(err)?;
                 counts.push(n as u32);
             }

@@ -83,7 +83,10 @@ pub enum NgramError {
 impl NgramProposer {
     pub fn new(num_rows: usize, min_n: usize, max_n: usize) -> Result<Self, NgramError> {
         if min_n == 0 || min_n > max_n || max_n > MAX_N {
-            return Err(NgramError::BadRange { min: min_n, max: max_n });
+            return Err(NgramError::BadRange {
+                min: min_n,
+                max: max_n,
+            });
         }
         let rows = (0..num_rows).map(|_| None).collect();
         Ok(NgramProposer { min_n, max_n, rows })
@@ -91,7 +94,10 @@ impl NgramProposer {
 
     fn check_row(&self, row: usize) -> Result<(), NgramError> {
         if row >= self.rows.len() {
-            return Err(NgramError::BadRow { row, num_rows: self.rows.len() });
+            return Err(NgramError::BadRow {
+                row,
+                num_rows: self.rows.len(),
+            });
         }
         Ok(())
     }

@@ -73,10 +73,22 @@ fn errors_name_the_problem() {
         Some(NgramError::BadRange { min: 3, max: 2 })
     );
     let mut p = NgramProposer::new(1, 1, 2).unwrap();
-    assert_eq!(p.add(1, &[1]).err(), Some(NgramError::BadRow { row: 1, num_rows: 1 }));
+    assert_eq!(
+        p.add(1, &[1]).err(),
+        Some(NgramError::BadRow {
+            row: 1,
+            num_rows: 1
+        })
+    );
     let mut out = Vec::new();
-    assert_eq!(p.step(0, &[1], 0, 0, 1, &mut out).err(), Some(NgramError::NoRow(0)));
+    assert_eq!(
+        p.step(0, &[1], 0, 0, 1, &mut out).err(),
+        Some(NgramError::NoRow(0))
+    );
     p.add(0, &[1]).unwrap();
     p.remove(0);
-    assert_eq!(p.step(0, &[1], 0, 0, 1, &mut out).err(), Some(NgramError::NoRow(0)));
+    assert_eq!(
+        p.step(0, &[1], 0, 0, 1, &mut out).err(),
+        Some(NgramError::NoRow(0))
+    );
 }

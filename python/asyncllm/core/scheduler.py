@@ -71,7 +71,9 @@ class Scheduler:
         # request that verified drafts appended in the last step (others: one).
         # Its steps never take the all-decode fast path: a request may hold a
         # block past its computed tokens (its rejected drafts' slots).
-        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        self.spec_stats = (
+            SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        )
         self.num_appended: dict[int, int] = {}
 
     # -- admission and removal ------------------------------------------------

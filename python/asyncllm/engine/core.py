@@ -214,7 +214,9 @@ class EngineCore:
         )
         return self._fill_outputs(out, stepped, any_finished, runner_out)
 
-    def _update_speculative(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutputs:
+    def _update_speculative(
+        self, so: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> StepOutputs:
         """`update` for a step that verified drafts or proposed some: each request
         gets the tokens it appended, and the new drafts go to the scheduler."""
         scheduler = self.scheduler

@@ -385,13 +385,8 @@ class ModelRunner:
             assert self.grammar_rows is not None
             self.grammar_rows.advance(sample.req_ids, [t[0] for t in tokens], sample.allowed[0])
         if result.logprob_ids is not None:
-            ids, values = result.logprob_ids.tolist(), result.logprob_values.tolist()
-            ranks = result.logprob_ranks.tolist()
             wanted = ib.num_logprobs[rows].tolist()
-            for i, rid in enumerate(sample.req_ids):
-                if wanted[i] >= 0:
-                    start, count = int(exp.start[i]), len(tokens[i])
-                    out.logprobs[rid] = spec_logprobs(ids, values, ranks, start, count, wanted[i])
+            out.logprobs = spec_logprobs(result, exp, tokens, wanted, sample.req_ids)
         room = ib.max_model_len - ib.num_tokens[rows].astype(np.int64) - 1
         out.drafts = self._propose(rows, sample.req_ids, tokens, exp.num_drafts, num_accepted, room)
 

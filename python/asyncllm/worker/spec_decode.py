@@ -34,6 +34,7 @@ from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.messages import Logprobs
 from asyncllm.spec_config import SpeculativeConfig
 from asyncllm.worker.input_batch import InputBatch
+from asyncllm.worker.sampler_output import SamplerOutput
 
 
 class Expansion:
@@ -157,13 +158,26 @@ class SpecDecoder:
 
 
 def spec_logprobs(
-    ids: list[list[int]], values: list[list[float]], ranks: list[int], start: int, count: int, k: int
-) -> Logprobs:
-    """One request's logprobs over its `count` kept positions from logit row
-    `start` on, `k` top entries each after the sampled token."""
-    flat_ids: list[int] = []
-    flat_values: list[float] = []
-    for r in range(start, start + count):
-        flat_ids.extend(ids[r][: k + 1])
-        flat_values.extend(values[r][: k + 1])
-    return Logprobs(flat_ids, flat_values, ranks[start : start + count])
+    result: SamplerOutput,
+    exp: Expansion,
+    tokens: list[list[int]],
+    wanted: list[int],
+    req_ids: list[int],
+) -> dict[int, Logprobs]:
+    """Each request's logprobs (`wanted[i]` top entries after the sampled token, or
+    none when -1) over the positions of its kept tokens."""
+    assert result.logprob_ids is not None
+    assert result.logprob_values is not None and result.logprob_ranks is not None
+    ids, values = result.logprob_ids.tolist(), result.logprob_values.tolist()
+    ranks = result.logprob_ranks.tolist()
+    out = {}
+    for i, rid in enumerate(req_ids):
+        k = wanted[i]
+        if k < 0:
+            continue
+        start = int(exp.start[i])
+        end = start + len(tokens[i])
+        flat_ids = [t for r in range(start, end) for t in ids[r][: k + 1]]
+        flat_values = [v for r in range(start, end) for v in values[r][: k + 1]]
+        out[rid] = Logprobs(flat_ids, flat_values, ranks[start:end])
+    return out
