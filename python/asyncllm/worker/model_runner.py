@@ -368,7 +368,7 @@ class ModelRunner:
         rows = sample.rows
         if result.nonfinite is not None and result.nonfinite.any():
             logger.warning("logits of sampled rows have no finite maximum: each sampled its argmax")
-        num_accepted, tokens = self.spec.verify(exp, result.sampled.numpy(), ib, rows)
+        num_accepted, tokens = self.spec.verify(exp, result.sampled.cpu().numpy(), ib, rows)
         nt = ib.num_tokens[rows]
         verified: dict[int, list[int]] = {}
         for i, rid in enumerate(sample.req_ids):
