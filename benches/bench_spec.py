@@ -8,8 +8,8 @@ Both engines are started once and alternate round by round; each round runs ever
 workload at each stream count, greedy (temperature 0) and sampled (temperature 0.7,
 top_p 0.95, a seed per request), `--tokens` new tokens per request. Reported: the
 median tokens/s of each engine, the median of the per-round ratios on / off, the
-share of greedy tokens identical to decoding without speculation (the default mode,
-not batch-invariant: a k + 1-row forward may round differently), the acceptance
+share of tokens identical to decoding without speculation, greedy and seeded (the
+default mode, not batch-invariant: a k + 1-row forward may round differently), the acceptance
 rate (accepted / proposed draft tokens), the mean accepted length (1 + accepted per
 draft) and the acceptance per draft position.
 
@@ -118,7 +118,7 @@ def main() -> None:
     common = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 32}
     engines = {"off": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
     rates: dict[tuple[str, int, str], dict[str, list[float]]] = {}
-    same: dict[tuple[str, int], list[int]] = {}
+    same: dict[tuple[str, int, str], list[int]] = {}
     accept: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in range(args.rounds):
         for name, prompts in WORKLOADS.items():
@@ -134,8 +134,8 @@ def main() -> None:
                         if engine == "ngram":
                             after = spec_stats(llm)
                             accept.setdefault(key, []).append(delta(before, after))
-                    if kind == "greedy" and r == 0:
-                        same[(name, n)] = identical(got["off"], got["ngram"])
+                    if r == 0:
+                        same[key] = identical(got["off"], got["ngram"])
                     print(r, key, {e: f"{v[-1]:.1f}" for e, v in rates[key].items()}, flush=True)
     for llm in engines.values():
         llm.shutdown()
@@ -164,11 +164,11 @@ def identical(a: list[list[int]], b: list[list[int]]) -> list[int]:
 def report(
     rates: dict[tuple[str, int, str], dict[str, list[float]]],
     accept: dict[tuple[str, int, str], list[dict[str, Any]]],
-    same: dict[tuple[str, int], list[int]],
+    same: dict[tuple[str, int, str], list[int]],
 ) -> None:
     print(
         "\n| workload | streams | sampling | off tok/s | ngram tok/s | ngram / off "
-        "| acceptance | mean accepted length | accepted per position | greedy identical |"
+        "| acceptance | mean accepted length | accepted per position | identical tokens |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|")
     for (name, n, kind), by in rates.items():
@@ -182,7 +182,7 @@ def report(
         rate = accepted / proposed if proposed else 0.0
         mean_len = 1 + accepted / drafts if drafts else 1.0
         pos = " ".join(f"{p / drafts:.2f}" if drafts else "-" for p in per_pos)
-        s, t = same[(name, n)]
+        s, t = same[(name, n, kind)]
         print(
             f"| {name} | {n} | {kind} | {median(off):.1f} | {median(on):.1f} | {ratio:.2f} "
             f"| {rate:.2f} | {mean_len:.2f} | {pos} | {s / t:.3f} |"
