@@ -271,3 +271,19 @@ def test_greedy_smollm2_equals_decoding_without_speculation(smollm2_gguf: Path) 
                 stats: Any = llm.engine.call_utility("get_stats")
     assert outs[0] == outs[1]
     assert stats["spec_decode_num_accepted_tokens"] >= 10
+
+
+def test_metrics_carry_vllm_names() -> None:
+    from asyncllm.core.spec_decode import SpecDecodeStats
+    from asyncllm.server.metrics import ServerMetrics
+
+    stats = SpecDecodeStats(3)
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    text = ServerMetrics("m").render(stats.report()).decode()
+    assert 'asyncllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0' in text
+    assert 'asyncllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 5.0' in text
+    assert 'asyncllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 2.0' in text
+    per_pos = "asyncllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert f'{per_pos}{{engine="0",model_name="m",position="1"}} 1.0' in text
+    assert f'{per_pos}{{engine="0",model_name="m",position="2"}} 0.0' in text
