@@ -3,6 +3,7 @@
 copies most of the prompt, and on open-ended chat, where nothing is there to copy.
 
     python benches/bench_spec.py [--rounds 3] [--tokens 96] [--streams 1,16] [--k 4]
+                                 [--weights gguf|bf16]
 
 Both engines are started once and alternate round by round; each round runs every
 workload at each stream count, greedy (temperature 0) and sampled (temperature 0.7,
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
+from tempfile import mkdtemp
 from typing import Any
 
 import torch
@@ -106,6 +108,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument(
+        "--weights",
+        choices=("gguf", "bf16"),
+        default="gguf",
+        help="the GGUF (Q4_1, float32 activations) or its weights dequantized to bf16",
+    )
     ap.add_argument("--quick", action="store_true", help="1 round, 16 tokens, 1 stream")
     args = ap.parse_args()
     if args.quick:
@@ -113,9 +121,16 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
     path = str(fetch())
+    dtype = "float32"
+    if args.weights == "bf16":
+        from bench_quant import dense_checkpoint
+
+        from asyncllm.gguf_files import prepare_gguf
+
+        path, dtype = str(dense_checkpoint(prepare_gguf(Path(path)), Path(mkdtemp()))), "bfloat16"
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
             "prompt_lookup_max": 5}  # fmt: skip
-    common = {"model": path, "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 32}
+    common = {"model": path, "dtype": dtype, "max_model_len": 1024, "max_num_seqs": 32}
     engines = {"off": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
     rates: dict[tuple[str, int, str], dict[str, list[float]]] = {}
     same: dict[tuple[str, int, str], list[int]] = {}
