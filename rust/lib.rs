@@ -14,6 +14,7 @@ pub mod prefix_hash;
 pub mod protocol;
 mod py;
 pub mod sampler;
+pub mod spec;
 pub mod structured;
 
 use pyo3::prelude::*;

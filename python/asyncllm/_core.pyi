@@ -685,6 +685,32 @@ GRAMMAR_COMPLETE: Final[int]
 GRAMMAR_ERROR: Final[int]
 
 @final
+class NgramProposer:
+    """Prompt-lookup (n-gram) draft proposals for up to `num_rows` rows: each row's
+    tokens are indexed as they arrive (rust/spec/ngram.rs); every call but
+    `remove` does its work with the GIL released. Raises ValueError naming a bad
+    range, row or array."""
+
+    def __new__(cls, num_rows: int, prompt_lookup_min: int, prompt_lookup_max: int) -> Self: ...
+    def add(self, row: int, tokens: _Buffer) -> None:
+        """Start `row` with its tokens so far (int32)."""
+    def remove(self, row: int) -> None:
+        """Forget `row`."""
+    def step(
+        self,
+        rows: _Buffer,
+        new_offsets: _Buffer,
+        new_tokens: _Buffer,
+        drafted: _Buffer,
+        accepted: _Buffer,
+        max_drafts: _Buffer,
+    ) -> tuple[list[int], list[int]]:
+        """Append each row's new tokens (`new_tokens[new_offsets[i]:new_offsets[i+1]]`,
+        int32), note how many of its last `drafted` drafts were `accepted`, and
+        propose up to `max_drafts[i]` tokens (int64 arrays). Returns each row's
+        proposal length and the proposals, concatenated."""
+
+@final
 class Grammar:
     """A compiled constraint, shared by every request with the same one."""
 

@@ -21,6 +21,7 @@ from asyncllm.config_rules import (
 from asyncllm.config_rules import fail as _fail
 from asyncllm.default_model import DEFAULT_MODEL, resolve_model
 from asyncllm.errors import ConfigError
+from asyncllm.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -136,6 +137,11 @@ class EngineArgs:
     # list ("2-7", "0,2,4-5") runs the core on exactly those CPUs. Default:
     # ASYNCLLM_CPU_OMP_THREADS_BIND.
     cpu_bind: str = field(default_factory=envs.cpu_bind)
+    # Speculative decoding (vLLM's `speculative_config`; asyncllm.spec_config): a
+    # dict such as {"method": "ngram", "num_speculative_tokens": 4}, or its JSON
+    # text; None: off. Needs overlap scheduling off (None turns it off) and one
+    # tensor-parallel rank.
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -162,6 +168,10 @@ class EngineArgs:
         if self.pin_threads and self.data_parallel_size > 1:
             raise _fail("pin_threads", self.pin_threads, "False with data_parallel_size > 1")
         parse_cpu_list(self.cpu_bind)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = None if spec is None else spec.to_dict()
+        if spec is not None:
+            _check_speculative(self)
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -213,6 +223,7 @@ class EngineArgs:
                 device = "cuda"
         dtype_name = _resolve_dtype(self.dtype, hf_config, device)
         kv_dtype = dtype_name if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        spec = SpeculativeConfig.parse(self.speculative_config)
         kv_gib = self.kv_cache_memory_gib
         if kv_gib is None and self.num_kv_blocks is None and device == "cpu":
             kv_gib = _DEFAULT_CPU_KV_GIB
@@ -235,7 +246,9 @@ class EngineArgs:
             executor=self.executor,
             null_step_delay_ms=float(self.null_step_delay_ms),
             async_scheduling=(
-                device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                device == "cuda" and spec is None
+                if self.async_scheduling is None
+                else self.async_scheduling
             ),
             trace_dir=self.trace_dir,
             profile_dir=self.profile_dir,
@@ -247,6 +260,7 @@ class EngineArgs:
             linear_kernel=self.linear_kernel,
             batch_invariant=self.batch_invariant,
             fused_decode=self.fused_decode and not self.batch_invariant and not self.compile,
+            speculative=spec,
         )
 
 
@@ -282,6 +296,7 @@ class EngineConfig:
     linear_kernel: str = "auto"
     batch_invariant: bool = False
     fused_decode: bool = True
+    speculative: SpeculativeConfig | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -300,6 +315,21 @@ class EngineConfig:
         import torch
 
         return torch.device(self.device)
+
+
+def _check_speculative(args: EngineArgs) -> None:
+    """What speculative decoding does not run with: the fields that must change."""
+    if args.async_scheduling:
+        raise _fail(
+            "async_scheduling",
+            args.async_scheduling,
+            "False or None with speculative_config (verification needs each step's tokens "
+            "before the next is planned)",
+        )
+    if args.tensor_parallel_size > 1:
+        raise _fail("tensor_parallel_size", args.tensor_parallel_size, "1 with speculative_config")
+    if args.executor == "null":
+        raise _fail("executor", args.executor, "'torch' with speculative_config")
 
 
 def _model_context_len(hf_config: Any) -> int | None:

@@ -13,6 +13,7 @@ mod mask_job;
 mod peak;
 mod prefix_hash;
 mod sampler;
+mod spec;
 mod structured;
 
 use pyo3::prelude::*;
@@ -44,6 +45,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     peak::register(m)?;
     prefix_hash::register(m)?;
     sampler::register(m)?;
+    spec::register(m)?;
     structured::register(m)?;
     Ok(())
 }

@@ -89,6 +89,9 @@ ENGINE_HELP: dict[str, str] = {
     "$ASYNCLLM_TRACE_DIR, else off)",
     "profile_dir": "enable torch profiling of the engine core (POST /start_profile and "
     "/stop_profile on the server); traces go to this directory",
+    "speculative_config": "speculative decoding, as JSON with vLLM's names, e.g."
+    ' \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,'
+    ' "prompt_lookup_max": 5}\' (off by default; needs --no-async-scheduling or its default)',
     "collect_step_timings": "keep the engine core's per-step timers for get_step_timings "
     "(benchmarks)",
 }

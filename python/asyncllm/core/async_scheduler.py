@@ -62,11 +62,15 @@ class AsyncScheduler(Scheduler):
         return so
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[int, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[int, int],
+        verified: dict[int, list[int]] | None = None,
     ) -> tuple[list[Request], bool]:
         """Append the tokens step N sampled (its requests' progress was counted
         when it was scheduled) and finish the ones that must stop. Returns the
-        requests that produced a token, and whether any finished."""
+        requests that produced a token, and whether any finished. (`verified` is
+        always empty: speculative decoding runs without overlap, config.py.)"""
         if scheduler_output.num_scheduled_tokens is self._planned:
             self._planned = {}
         kv = self.kv_cache

@@ -74,6 +74,7 @@ class Request:
         "max_num_tokens",
         "num_output_placeholders",
         "grammar",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -118,6 +119,9 @@ class Request:
         self.num_output_placeholders = 0
         # the compiled output constraint (`_core.Grammar`), set by the engine core
         self.grammar: Any = None
+        # Speculative decoding: the draft tokens proposed after the last step,
+        # verified by the next one (empty: none, or speculation is off).
+        self.spec_token_ids: list[int] = []
         self.hash_full_blocks()
 
     @property

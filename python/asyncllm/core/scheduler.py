@@ -21,12 +21,13 @@ from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.queue_time import QueueTimeHistogram
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
+from asyncllm.core.spec_decode import SpecDecodeStats, apply_verified, fit_drafts
 
 
 class _Plan:
     """The step's plan while `schedule` builds it."""
 
-    __slots__ = ("budget", "num_scheduled", "new_block_ids", "new_reqs", "preempted")
+    __slots__ = ("budget", "num_scheduled", "new_block_ids", "new_reqs", "preempted", "spec")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens left this step
@@ -34,6 +35,7 @@ class _Plan:
         self.new_block_ids: dict[int, list[int]] = {}
         self.new_reqs: list[NewRequestData] = []
         self.preempted: set[int] = set()
+        self.spec: dict[int, list[int]] = {}  # drafts verified this step
 
 
 class Scheduler:
@@ -44,6 +46,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -64,6 +67,14 @@ class Scheduler:
         # Sliding window: a prompt chunk that does not fit runs in part (the blocks it
         # leaves behind the window come back before the next part).
         self._windowed = kv_cache.sliding_window is not None
+        # Speculative decoding: acceptance counters, and how many tokens each
+        # request that verified drafts appended in the last step (others: one).
+        # Its steps never take the all-decode fast path: a request may hold a
+        # block past its computed tokens (its rejected drafts' slots).
+        self.spec_stats = (
+            SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        )
+        self.num_appended: dict[int, int] = {}
 
     # -- admission and removal ------------------------------------------------
 
@@ -119,6 +130,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
             finished_req_ids=finished,
             preempted_req_ids=plan.preempted,
+            spec_token_ids=plan.spec,
         )
 
     def _schedule_all_decodes(self, plan: _Plan) -> bool:
@@ -159,6 +171,11 @@ class Scheduler:
                 i += 1  # overlap: its last token is in flight, nothing left to compute
                 continue
             num_new = min(known - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                drafts = fit_drafts(request, drafts, num_new, budget)
+                num_new += len(drafts)
             while True:
                 added = kv.allocate(request, num_new)
                 if added is not None:
@@ -172,6 +189,7 @@ class Scheduler:
                 self._preempt(victim)
                 plan.preempted.add(victim.request_id)
                 plan.num_scheduled.pop(victim.request_id, None)
+                plan.spec.pop(victim.request_id, None)
                 if victim is request:
                     break
             if added is None:
@@ -179,6 +197,8 @@ class Scheduler:
             if added:
                 plan.new_block_ids[request.request_id] = [b.block_id for b in added]
             plan.num_scheduled[request.request_id] = num_new
+            if drafts:
+                plan.spec[request.request_id] = drafts
             budget -= num_new
             i += 1
         plan.budget = budget
@@ -235,12 +255,16 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[int, int]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[int, int],
+        verified: dict[int, list[int]] | None = None,
     ) -> tuple[list[Request], bool]:
         """Advance every scheduled request by its computed tokens, append the
-        sampled token of those that were sampled, and finish the ones that must
-        stop. Returns the requests that produced a token this step (finished or
-        not), in batch order, and whether any of them finished."""
+        sampled token of those that were sampled (`verified`: the tokens of those
+        that verified drafts, `spec_decode.apply_verified`), and finish the ones
+        that must stop. Returns the requests that produced a token this step
+        (finished or not), in batch order, and whether any of them finished."""
         kv = self.kv_cache
         requests = self.requests
         bs = kv.block_size
@@ -261,6 +285,10 @@ class Scheduler:
                 cache_blocks(request)  # a block filled: share it through the prefix cache
             token = sampled.get(rid)
             if token is None:
+                if verified and rid in verified:
+                    finished |= self._apply_verified(request, scheduler_output, verified[rid])
+                    append(request)
+                    continue
                 num_unsampled += 1
                 continue  # mid-prompt chunk: nothing sampled yet
             tokens = request.all_token_ids
@@ -275,8 +303,30 @@ class Scheduler:
             append(request)
         if finished:
             self._drop_finished(stepped)
-        self._all_decode = self._all_running_scheduled and num_unsampled == 0
+        self._all_decode = (
+            self._all_running_scheduled and num_unsampled == 0 and self.spec_stats is None
+        )
         return stepped, finished
+
+    def _apply_verified(self, request: Request, so: SchedulerOutput, tokens: list[int]) -> bool:
+        """A request that verified drafts: roll back the rejected ones, append its
+        tokens (`num_appended`); whether it finished."""
+        assert self.spec_stats is not None
+        num_drafts = len(so.spec_token_ids.get(request.request_id, ()))
+        appended, finished = apply_verified(request, num_drafts, tokens, self.spec_stats)
+        self.num_appended[request.request_id] = appended
+        if self.kv_cache.enable_caching and not finished:
+            self.kv_cache.cache_blocks(request)  # blocks its accepted tokens filled
+        return finished
+
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """The draft tokens proposed after the last step, for the next one to
+        verify; requests that finished meanwhile are skipped."""
+        requests = self.requests
+        for rid, tokens in drafts.items():
+            request = requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = tokens
 
     def _drop_finished(self, stepped: list[Request], from_waiting: bool = False) -> None:
         """Take the requests that just finished out of the queues (one pass, not a
@@ -308,6 +358,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -37,6 +37,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[int] = field(default_factory=set)
     preempted_req_ids: set[int] = field(default_factory=set)
+    # Speculative decoding: req_id -> the draft tokens this step verifies, after
+    # its last known token (its num_scheduled_tokens counts them: 1 + drafts)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

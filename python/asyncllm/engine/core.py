@@ -85,6 +85,9 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            num_speculative_tokens=(
+                0 if config.speculative is None else config.speculative.num_speculative_tokens
+            ),
         )
         self._set_recorder()
         logger.info(
@@ -199,6 +202,8 @@ class EngineCore:
         """Apply a step's sampled tokens and build its outputs (the second half of
         `step`)."""
         scheduler = self.scheduler
+        if runner_out.verified or runner_out.drafts:
+            return self._update_speculative(so, runner_out)
         stepped, any_finished = scheduler.update_from_output(so, runner_out.sampled)
         req_ids = [r.request_id for r in stepped]
         out = StepOutputs(
@@ -207,6 +212,36 @@ class EngineCore:
             scheduler.make_stats(),
             time.time(),
         )
+        return self._fill_outputs(out, stepped, any_finished, runner_out)
+
+    def _update_speculative(
+        self, so: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> StepOutputs:
+        """`update` for a step that verified drafts or proposed some: each request
+        gets the tokens it appended, and the new drafts go to the scheduler."""
+        scheduler = self.scheduler
+        scheduler.num_appended.clear()
+        stepped, any_finished = scheduler.update_from_output(
+            so, runner_out.sampled, runner_out.verified
+        )
+        counts = scheduler.num_appended
+        new_ids = [r.all_token_ids[-counts.get(r.request_id, 1) :] for r in stepped]
+        out = StepOutputs(
+            [r.request_id for r in stepped], new_ids, scheduler.make_stats(), time.time()
+        )
+        if runner_out.drafts:
+            scheduler.set_drafts(runner_out.drafts)
+        return self._fill_outputs(out, stepped, any_finished, runner_out)
+
+    def _fill_outputs(
+        self,
+        out: StepOutputs,
+        stepped: list[Request],
+        any_finished: bool,
+        runner_out: ModelRunnerOutput,
+    ) -> StepOutputs:
+        """The optional columns of a step's outputs: finishes, logprobs, cache hits."""
+        req_ids = out.req_ids
         if any_finished:
             out.finish_reasons = [r.finish_reason for r in stepped]
             out.stop_reasons = [r.stop_reason for r in stepped]

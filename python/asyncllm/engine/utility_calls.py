@@ -30,9 +30,11 @@ def utility_calls(core: EngineCore, timers: StepTimers) -> dict[str, UtilityCall
 
 def stats_report(core: EngineCore) -> dict[str, Any]:
     """`get_stats`: the scheduler's stats with the KV cache's, the queue-time
-    histogram's and the grammar cache's figures."""
+    histogram's and the grammar cache's figures, and speculative decoding's
+    acceptance counters when it is on."""
     s = core.stats()
-    return {
+    spec = core.scheduler.spec_stats
+    return (spec.report() if spec is not None else {}) | {
         "num_running": s.num_running,
         "num_waiting": s.num_waiting,
         "kv_cache_usage": s.kv_cache_usage,

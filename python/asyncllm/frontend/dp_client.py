@@ -247,6 +247,9 @@ _SUMMED = (
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
 
 

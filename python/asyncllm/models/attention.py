@@ -116,9 +116,11 @@ class AttentionMetadata:
     # runner passes them (models whose rotation depends on them: Phi-3's longrope).
     query_lens: np.ndarray | None = None
     prompt_lens: np.ndarray | None = None
-    # Batch-invariant mode: every prompt token's attention as a decode of its own
-    # (`token_wise_prefill`): per token its block table and seq_len; None otherwise.
+    # Tokens that attend as decodes of their own, per token its block table and seq_len:
+    # every prompt token in batch-invariant mode (`token_wise_spans` None: all prefill
+    # spans), or speculative decoding's verifications (the first `token_wise_spans`).
     token_wise: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_wise_spans: int | None = None
     # Host copies of the decodes' block tables and seq_lens, for `window_decodes`.
     _decode_tables_host: np.ndarray | None = field(default=None, repr=False)
     _decode_lens_host: np.ndarray | None = field(default=None, repr=False)
@@ -264,8 +266,7 @@ def paged_attention(
     step's k/v [T, Hkv, D]; returns [T, Hq * D] in q's dtype. `window`: each query
     attends to its last `window` positions only (itself included), as transformers'
     sliding-window layers do; `softcap`: scores pass through cap * tanh(s / cap)
-    before the softmax (Gemma 2). With `meta.token_wise` (batch-invariant mode)
-    prompt tokens attend one by one on the decode kernel, as their decode would."""
+    before the softmax (Gemma 2). `meta.token_wise`: tokens attending one by one as decodes."""
     num_tokens, num_heads, head_dim = q.shape
     write_kv(k, v, kv_cache, meta.slot_mapping)
 
@@ -277,10 +278,12 @@ def paged_attention(
         else:
             dec = q[:num_decodes]
             outputs.append(_decode_attention_ext(dec, kv_cache, meta, scale, window, softcap))
-    if meta.token_wise is not None and softcap is None and can_use_native_decode(q, kv_cache):
-        tables, lens = meta.token_wise
-        outputs.append(_native_decode(q[num_decodes:], kv_cache, tables, lens, scale, window or 0))
-    for span in [] if meta.token_wise is not None and softcap is None else meta.prefills:
+    spans, tw = meta.prefills, meta.token_wise if softcap is None else None
+    if tw is not None and can_use_native_decode(q, kv_cache):  # else prefill spans
+        end = num_decodes + len(tw[1])
+        outputs.append(_native_decode(q[num_decodes:end], kv_cache, *tw, scale, window or 0))
+        spans = spans[len(spans) if meta.token_wise_spans is None else meta.token_wise_spans :]
+    for span in spans:
         first, mask = (0, span.mask) if window is None else span.window(window, q.device)
         if span.block_table is None:
             keys, values = k[span.start + first : span.end], v[span.start + first : span.end]

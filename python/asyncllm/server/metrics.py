@@ -202,6 +202,9 @@ class _CoreStatsCollector(Collector):
             ("prefix_cache_queries", "Tokens looked up in the prefix cache."),
             ("prefix_cache_hits", "Prefix-cache lookups that hit."),
             ("num_preemptions", "Requests preempted by the scheduler."),
+            ("spec_decode_num_drafts", "Speculative decoding: drafts verified."),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
         )
         for key, doc in counters:
             c = CounterMetricFamily(PREFIX + key, doc, labels=labels)
@@ -210,6 +213,16 @@ class _CoreStatsCollector(Collector):
                     c.add_metric(label, float(s[key]))
             if c.samples:
                 yield c
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted draft tokens at each draft position.",
+            labels=[*labels, "position"],
+        )
+        for label, s in engines:
+            for pos, num in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+                per_pos.add_metric([*label, str(pos)], float(num))
+        if per_pos.samples:
+            yield per_pos
         h = HistogramMetricFamily(
             PREFIX + "request_queue_time_seconds",
             "Time from arrival to the scheduler's first run of a request.",

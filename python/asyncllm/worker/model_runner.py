@@ -38,6 +38,7 @@ from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
 from asyncllm.worker.sampler_output import SamplerOutput
 from asyncllm.worker.sampling_metadata import build_sampling_metadata
+from asyncllm.worker.spec_decode import Expansion, SpecDecoder, spec_logprobs
 from asyncllm.worker.step_inputs import StepInputs, gather_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class ModelRunner:
         self._in_flight = InFlightTokens(config.max_num_seqs, self.device)
         self._defer_tokens = config.async_scheduling
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
+        # Speculative decoding's proposer and verifier (worker/spec_decode.py).
+        spec = config.speculative
+        self.spec = None if spec is None else SpecDecoder(spec, config.max_num_seqs)
         # Set by the engine core: the matchers of constrained requests.
         self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
@@ -148,6 +152,9 @@ class ModelRunner:
         if not step.sampled.any():
             return out
         sample = _Sample(step)
+        if self.spec is not None:
+            self._verify(so, sample, hidden, masks, out)
+            return out
         logits = self._logits(sample, hidden)
         result = self._sample(sample, logits, masks)
         self._outputs(sample, result, out)
@@ -160,6 +167,9 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return None
+        if so.spec_token_ids:
+            assert self.spec is not None
+            self.spec.write_drafts(self.input_batch, so.spec_token_ids)
         return gather_step_inputs(
             self.input_batch,
             so,
@@ -286,7 +296,9 @@ class ModelRunner:
         for rid, block_ids in so.new_block_ids.items():
             ib.append_blocks(rid, block_ids)
         for new in so.new_reqs:
-            ib.add(new)
+            row = ib.add(new)
+            if self.spec is not None:
+                self.spec.add(ib, row, new)
             if grammar is not None and new.grammar is not None:
                 grammar.add(new)
 
@@ -295,6 +307,8 @@ class ModelRunner:
         if row is not None:
             self._in_flight.drop(row)
             self.input_batch.remove(rid)
+            if self.spec is not None:
+                self.spec.remove(row)
 
     def _collect_logprobs(
         self, out: ModelRunnerOutput, result: Any, req_ids: list[int], rows: np.ndarray
@@ -307,3 +321,86 @@ class ModelRunner:
             k = int(wanted[i])
             if k >= 0:
                 out.logprobs[rid] = Logprobs(ids[i][: k + 1], values[i][: k + 1], [ranks[i]])
+
+    # -- speculative decoding (worker/spec_decode.py) ---------------------------
+
+    def _verify(
+        self,
+        so: SchedulerOutput,
+        sample: _Sample,
+        hidden: torch.Tensor,
+        masks: StepMasks | None,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """The logits, sample, outputs phases of a speculative engine's step: every
+        position of each request's drafts drawn in one sampler call, the drafts
+        checked against the draws, then the next drafts proposed."""
+        spec = so.spec_token_ids
+        nd = np.fromiter(
+            (len(spec.get(r, ())) for r in sample.req_ids), dtype=np.int64, count=len(sample.rows)
+        )
+        exp = Expansion(nd, sample.last_token, sample.rows)
+        sample.last_token = exp.token_index
+        logits = self._logits(sample, hidden)
+        result = self._sample_drafts(sample, exp, logits, masks)
+        self._verified_outputs(sample, exp, result, out)
+
+    @phase("sample", lambda sample: {"batch": len(sample.req_ids)})
+    def _sample_drafts(
+        self, sample: _Sample, exp: Expansion, logits: torch.Tensor, masks: StepMasks | None
+    ) -> SamplerOutput:
+        """One sampler call for every position of every sampled request."""
+        md = build_sampling_metadata(
+            self.input_batch, exp.rows, self.vocab_size, self.device, offsets=exp.offsets
+        )
+        if masks is not None:  # constrained requests have no drafts: one row each
+            idx, bitmask = masks.result()
+            sample.allowed = (idx, bitmask)
+            md.allowed = (exp.start[idx], bitmask)
+        return self.sampler(logits, md)
+
+    @phase("verify", lambda sample: {"batch": len(sample.req_ids)})
+    def _verified_outputs(
+        self, sample: _Sample, exp: Expansion, result: SamplerOutput, out: ModelRunnerOutput
+    ) -> None:
+        """Accept the drafts the draws confirm, record the kept tokens in the
+        batch, roll back the rejected drafts, propose the next ones, fill `out`."""
+        assert self.spec is not None
+        ib = self.input_batch
+        rows = sample.rows
+        if result.nonfinite is not None and result.nonfinite.any():
+            logger.warning("logits of sampled rows have no finite maximum: each sampled its argmax")
+        num_accepted, tokens = self.spec.verify(exp, result.sampled.cpu().numpy(), ib, rows)
+        nt = ib.num_tokens[rows]
+        verified: dict[int, list[int]] = {}
+        for i, rid in enumerate(sample.req_ids):
+            toks = tokens[i]
+            ib.token_ids[rows[i], nt[i] : nt[i] + len(toks)] = toks
+            if exp.num_drafts[i]:
+                verified[rid] = toks
+            else:
+                out.sampled[rid] = toks[0]
+        ib.num_tokens[rows] = nt + num_accepted + 1
+        ib.num_computed[rows] -= (exp.num_drafts - num_accepted).astype(np.int32)
+        out.verified = verified
+        if sample.allowed is not None:
+            assert self.grammar_rows is not None
+            self.grammar_rows.advance(sample.req_ids, [t[0] for t in tokens], sample.allowed[0])
+        if result.logprob_ids is not None:
+            wanted = ib.num_logprobs[rows].tolist()
+            out.logprobs = spec_logprobs(result, exp, tokens, wanted, sample.req_ids)
+        room = ib.max_model_len - ib.num_tokens[rows].astype(np.int64) - 1
+        out.drafts = self._propose(rows, sample.req_ids, tokens, exp.num_drafts, num_accepted, room)
+
+    @phase("propose", lambda rows: {"batch": len(rows)})
+    def _propose(
+        self,
+        rows: np.ndarray,
+        req_ids: list[int],
+        tokens: list[list[int]],
+        num_drafts: np.ndarray,
+        num_accepted: np.ndarray,
+        room: np.ndarray,
+    ) -> dict[int, list[int]]:
+        assert self.spec is not None
+        return self.spec.propose(rows, req_ids, tokens, num_drafts, num_accepted, room)

@@ -18,6 +18,11 @@ class ModelRunnerOutput:
     # With overlap scheduling the runner returns before the sampled tokens reach
     # the host: this call waits for them and gives `sampled` (the stepper calls it).
     resolve: Callable[[], dict[int, int]] | None = None
+    # Speculative decoding: the tokens of each request that verified drafts (the
+    # accepted drafts, then one more; not in `sampled`), and the drafts proposed
+    # for each request's next step.
+    verified: dict[int, list[int]] | None = None
+    drafts: dict[int, list[int]] | None = None
 
     def resolved(self) -> ModelRunnerOutput:
         """This output with `sampled` filled in (waits for the device if needed)."""

@@ -54,13 +54,21 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(
-    ib: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
+    ib: InputBatch,
+    rows: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+    offsets: np.ndarray | None = None,
 ) -> SamplingMetadata:
     """The inputs for sampling `rows`. `vocab_size` and `device` are not needed:
-    the samplers take both from the logits (kept for the runner's call)."""
+    the samplers take both from the logits (kept for the runner's call).
+    `offsets` (speculative decoding): each row samples that many positions after
+    its request's next one (a row may then appear more than once)."""
     params_f = ib.sample_f[rows]
     params_i = ib.sample_i[rows]
     num_out = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
+    if offsets is not None:
+        num_out = num_out + offsets
     params_i[:, I_POSITION] = num_out
     num_logprobs = params_i[:, I_NUM_LOGPROBS]
     max_num_logprobs = int(num_logprobs.max()) if (num_logprobs >= 0).any() else None

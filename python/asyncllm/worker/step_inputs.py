@@ -53,16 +53,22 @@ def gather_step_inputs(
     """The inputs of a non-empty step whose requests `ib` already holds.
     `token_wise` (batch-invariant mode): every prompt token attends as a decode of
     its own, through the decode kernel, so its result is the same whatever chunk
-    or batch it comes in (`AttentionMetadata.token_wise`)."""
+    or batch it comes in (`AttentionMetadata.token_wise`). Requests that verify
+    drafts (`so.spec_token_ids`, already written after their known tokens) come
+    after the decodes and attend token-wise too; they sample after their drafts."""
     req_ids = list(so.num_scheduled_tokens)
     n = len(req_ids)
     q = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=n)
     rows = np.fromiter((ib.rows[r] for r in req_ids), dtype=np.int64, count=n)
+    spec = so.spec_token_ids
+    nd = _num_drafts(req_ids, spec) if spec else None
     if not (q == 1).all():
-        # attention takes the 1-token queries (decodes) first
-        order = np.argsort(q != 1, kind="stable")
+        # attention takes the 1-token queries (decodes) first, then verifications
+        key = q != 1 if nd is None else (q != 1).astype(np.int8) * (1 + (nd == 0))
+        order = np.argsort(key, kind="stable")
         q, rows = q[order], rows[order]
         req_ids = [req_ids[i] for i in order]
+        nd = None if nd is None else nd[order]
     ctx = ib.num_computed[rows]
     seq_lens = ctx + q
     cu = np.cumsum(q)
@@ -80,12 +86,14 @@ def gather_step_inputs(
     meta = build_attention_metadata(q, ctx, tables, slots, bs, device, prompt_lens)
     if token_wise and total > n:
         dec = int(np.count_nonzero(q == 1))  # decodes come first, one token each
-        seq_of_token = np.repeat(np.arange(n), q)[dec:]
-        token_tables = np.ascontiguousarray(tables[seq_of_token], dtype=np.int64)
-        meta.token_wise = (
-            torch.from_numpy(token_tables).to(device),
-            torch.from_numpy(pos[dec:] + 1).to(device),
-        )
+        _set_token_wise(meta, tables, q, pos, dec, total, device)
+    elif nd is not None:
+        dec = int(np.count_nonzero(q == 1))
+        num_spec = int(np.count_nonzero(nd))
+        end = dec + int(q[dec : dec + num_spec].sum())
+        _set_token_wise(meta, tables, q, pos, dec, end, device)
+        meta.token_wise_spans = num_spec
+    known = ib.num_tokens[rows] if nd is None else ib.num_tokens[rows] + nd
     return StepInputs(
         req_ids=req_ids,
         rows=rows,
@@ -99,6 +107,30 @@ def gather_step_inputs(
         input_ids=ib.token_ids[tok_rows, pos],
         slots=slots,
         block_tables=tables,
-        sampled=seq_lens == ib.num_tokens[rows],
+        sampled=seq_lens == known,
         attention=meta,
+    )
+
+
+def _num_drafts(req_ids: list[int], spec: dict[int, list[int]]) -> np.ndarray:
+    """Each request's number of drafts to verify this step (0: none)."""
+    return np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int32, count=len(req_ids))
+
+
+def _set_token_wise(
+    meta: AttentionMetadata,
+    tables: np.ndarray,
+    q: np.ndarray,
+    pos: np.ndarray,
+    start: int,
+    end: int,
+    device: torch.device,
+) -> None:
+    """Tokens `start:end` of the step (after the decodes) attend as decodes of
+    their own: per token its request's block table and its seq_len."""
+    seq_of_token = np.repeat(np.arange(len(q)), q)[start:end]
+    token_tables = np.ascontiguousarray(tables[seq_of_token], dtype=np.int64)
+    meta.token_wise = (
+        torch.from_numpy(token_tables).to(device),
+        torch.from_numpy(pos[start:end] + 1).to(device),
     )

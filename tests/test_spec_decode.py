@@ -1,0 +1,289 @@
+"""Speculative decoding (n-gram): its configuration, the scheduler's draft
+budget and rollback, and outputs token for token those of decoding without it
+(greedy, seeded and unseeded sampling, logprobs, stop strings, max_tokens cut
+mid-draft, min_tokens, penalties, structured output, preemption)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.cli.args import add_engine_args, engine_args_from
+from asyncllm.config import EngineArgs
+from asyncllm.core.kv_cache_manager import KVCacheManager
+from asyncllm.core.request import Request
+from asyncllm.core.scheduler import Scheduler
+from asyncllm.errors import ConfigError
+from asyncllm.sampling_params import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+# Text that repeats, so prompt lookup proposes (and the tiny model, which loops,
+# accepts); and text that does not.
+PROMPTS = [
+    "the cat sat on the mat. the cat sat on the mat. the cat sat on the",
+    "Once upon a time there was a little dog. Once upon a time there",
+    "one two three four five six seven one two three four five six",
+    "hello world",
+    "A quick brown fox",
+]
+
+
+# -- configuration -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "'method'"),
+        ({"method": "suffix", "num_speculative_tokens": 2}, "suffix is not implemented"),
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "'num_speculative_tokens']=0"),
+        ({"method": "ngram", "num_speculative_tokens": 99}, "[1, 32]"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}, "max"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": True}, "prompt_lookup_min"),
+        ({"num_speculative_tokens": 2, "typo": 1}, "unknown key(s) typo"),
+        ({"num_speculative_tokens": 2, "model": "x"}, "'model'"),
+        ("{not json", "not valid JSON"),
+        ([1, 2], "must be None, a dict"),
+    ],
+)
+def test_bad_configs_name_the_key(config: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match="speculative_config") as info:
+        EngineArgs(speculative_config=config)
+    assert message in str(info.value)
+
+
+def test_fields_speculation_cannot_run_with() -> None:
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        EngineArgs(speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="executor"):
+        EngineArgs(speculative_config=NGRAM, executor="null")
+
+
+def test_cli_flag_takes_json_and_fills_defaults() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    )
+    args = engine_args_from(ns)
+    assert args.speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+    }
+    assert EngineArgs.from_json(args.to_json()).speculative_config == args.speculative_config
+    # overlap scheduling's "auto" is off with speculation, even on CUDA
+    assert args.async_scheduling is None
+
+
+# -- the scheduler -------------------------------------------------------------------
+
+
+def _scheduler(budget: int = 64) -> Scheduler:
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=True)
+    return Scheduler(
+        kv,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=64,
+        num_speculative_tokens=4,
+    )
+
+
+def _request(rid: int, max_tokens: int, stop: list[int] | None = None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, temperature=0)
+    return Request(
+        rid,
+        [1, 2, 3, 4, 5],
+        params,
+        eos_token_ids=[0],
+        max_model_len=64,
+        block_size=4,
+        hash_blocks=True,
+    )
+
+
+def test_drafts_fit_max_tokens_and_rejected_ones_roll_back() -> None:
+    sched = _scheduler()
+    req = _request(1, max_tokens=4)
+    sched.add_request(req)
+    so = sched.schedule()
+    sched.update_from_output(so, {1: 7})
+    sched.set_drafts({1: [8, 9, 10, 11]})
+    so = sched.schedule()
+    # 1 of 4 tokens out; 3 may follow: the last token and 2 drafts, not 4
+    assert so.spec_token_ids == {1: [8, 9]}
+    assert so.num_scheduled_tokens == {1: 3}
+    computed = req.num_computed_tokens
+    # the first draft was accepted, the second not: 2 tokens, 1 draft rolled back
+    stepped, finished = sched.update_from_output(so, {}, {1: [8, 5]})
+    assert stepped == [req] and not finished
+    assert req.all_token_ids[-3:] == [7, 8, 5]
+    assert req.num_computed_tokens == computed + 3 - 1
+    assert sched.num_appended == {1: 2}
+    stats = sched.spec_stats
+    assert stats is not None
+    assert stats.report()["spec_decode_num_accepted_tokens_per_pos"] == [1, 0, 0, 0]
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there() -> None:
+    sched = _scheduler()
+    req = _request(1, max_tokens=10, stop=[9])
+    sched.add_request(req)
+    sched.update_from_output(sched.schedule(), {1: 7})
+    sched.set_drafts({1: [9, 10, 11]})
+    so = sched.schedule()
+    stepped, finished = sched.update_from_output(so, {}, {1: [9, 10, 11, 12]})
+    assert finished and req.stop_reason == 9
+    assert req.all_token_ids[5:] == [7, 9]
+    assert sched.num_appended == {1: 1}
+    assert not sched.kv_cache.req_to_blocks  # its blocks are back
+
+
+def test_drafts_fit_the_token_budget() -> None:
+    sched = _scheduler(budget=3)
+    req = _request(1, max_tokens=20)
+    sched.add_request(req)
+    so = sched.schedule()
+    while so.num_scheduled_tokens[1] > 1 or not sched.update_from_output(so, {1: 7})[0]:
+        sched.update_from_output(so, {})
+        so = sched.schedule()
+    sched.set_drafts({1: [1, 2, 3, 4]})
+    assert sched.schedule().spec_token_ids == {1: [1, 2]}
+
+
+# -- outputs equal decoding without speculation (asyncllm-tiny) ------------------
+
+
+def _params() -> list[SamplingParams]:
+    choice = StructuredOutputsParams(choice=["the cat sat", "a dog ran"])
+    return [
+        SamplingParams(max_tokens=48, temperature=0),
+        SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=48, temperature=1.0, top_k=20),  # unseeded
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),  # cut mid-draft
+        SamplingParams(max_tokens=40, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0, stop=[" the mat"]),
+        SamplingParams(max_tokens=30, temperature=0, min_tokens=20),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=choice),
+    ]
+
+
+def _run(llm: LLM) -> list[tuple[list[int], str, str | None, Any]]:
+    prompts, params = [], []
+    for i, p in enumerate(_params()):
+        for j, prompt in enumerate(PROMPTS):
+            if (i + j) % 2 == 0 or i < 2:
+                prompts.append(prompt)
+                params.append(p)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            o.outputs[0].text,
+            o.outputs[0].finish_reason,
+            None
+            if o.outputs[0].logprobs is None
+            else [
+                sorted((t, round(v.logprob, 4)) for t, v in d.items())
+                for d in o.outputs[0].logprobs
+            ],
+        )
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def baseline() -> Iterator[list[Any]]:
+    with LLM(num_threads=1, batch_invariant=True, max_num_seqs=64) as llm:
+        yield _run(llm)
+
+
+def test_outputs_equal_decoding_without_speculation(baseline: list[Any]) -> None:
+    """Batch-invariant mode: the same reduction order for 1 and k + 1 query rows,
+    so every request (greedy, seeded and unseeded) gets the same tokens."""
+    with LLM(num_threads=1, batch_invariant=True, max_num_seqs=64, speculative_config=NGRAM) as llm:
+        got = _run(llm)
+        stats: Any = llm.engine.call_utility("get_stats")
+    assert got == baseline
+    assert stats["spec_decode_num_drafts"] > 0
+    accepted = stats["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted <= stats["spec_decode_num_draft_tokens"]
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_preemption_and_the_default_mode(baseline: list[Any]) -> None:
+    """A KV pool too small for the batch (requests preempted and resumed, drafts
+    dropped with them), in the default (not batch-invariant) mode, where a
+    k + 1-row forward may round differently from a 1-row one: nearly every token
+    is still the same."""
+    with LLM(
+        num_threads=1,
+        num_kv_blocks=10,
+        max_model_len=128,
+        max_num_seqs=64,
+        speculative_config=NGRAM,
+    ) as llm:
+        got = _run(llm)
+        stats: Any = llm.engine.call_utility("get_stats")
+    assert stats["num_preemptions"] > 0
+    same = total = 0
+    for (a, *_), (b, *_) in zip(got, baseline, strict=True):
+        total += max(len(a), len(b))
+        same += next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+    assert same >= 0.9 * total, (same, total)
+
+
+def test_greedy_smollm2_equals_decoding_without_speculation(smollm2_gguf: Path) -> None:
+    """The real model (GGUF Q4_1), copying a given text: identical greedy output."""
+    text = (
+        "def area(width, height):\n    result = width * height\n    return result\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n"
+    )
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{text}"}]
+    params = SamplingParams(max_tokens=64, temperature=0)
+    outs = []
+    for spec in (None, NGRAM):
+        with LLM(
+            model=str(smollm2_gguf),
+            dtype="float32",
+            max_model_len=512,
+            batch_invariant=True,
+            speculative_config=spec,
+        ) as llm:
+            outs.append(list(llm.chat([messages], params, use_tqdm=False)[0].outputs[0].token_ids))
+            if spec is not None:
+                stats: Any = llm.engine.call_utility("get_stats")
+    assert outs[0] == outs[1]
+    assert stats["spec_decode_num_accepted_tokens"] >= 10
+
+
+def test_metrics_carry_vllm_names() -> None:
+    from asyncllm.core.spec_decode import SpecDecodeStats
+    from asyncllm.server.metrics import ServerMetrics
+
+    stats = SpecDecodeStats(3)
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    text = ServerMetrics("m").render(stats.report()).decode()
+    assert 'asyncllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0' in text
+    assert 'asyncllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 5.0' in text
+    assert 'asyncllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 2.0' in text
+    per_pos = "asyncllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert f'{per_pos}{{engine="0",model_name="m",position="1"}} 1.0' in text
+    assert f'{per_pos}{{engine="0",model_name="m",position="2"}} 0.0' in text
