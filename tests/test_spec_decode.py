@@ -287,3 +287,33 @@ def test_metrics_carry_vllm_names() -> None:
     per_pos = "asyncllm:spec_decode_num_accepted_tokens_per_pos_total"
     assert f'{per_pos}{{engine="0",model_name="m",position="1"}} 1.0' in text
     assert f'{per_pos}{{engine="0",model_name="m",position="2"}} 0.0' in text
+
+
+def test_verification_runs_fused_and_equals_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch 1 a plain decode step runs fused (one extension call for every
+    layer); a verification step (the last token and its drafts, each attending as
+    a decode) runs fused too, with the same kernels and one reduction order per
+    row (linear_kernel="rust": the LM head too), so greedy tokens are identical
+    to decoding without speculation, not just close."""
+    from asyncllm.models.fused_decode import FusedDecode
+
+    rows: list[int] = []
+    original = FusedDecode.__call__
+
+    def counting(self: FusedDecode, hidden: Any, positions: Any, meta: Any) -> Any:
+        rows.append(meta.num_tokens)
+        return original(self, hidden, positions, meta)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = {}
+    for spec in (None, NGRAM):
+        with LLM(
+            num_threads=1, linear_kernel="rust", speculative_config=spec, multiprocess=False
+        ) as llm:
+            outs[spec is None] = [
+                list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+                for p in PROMPTS[:3]
+            ]
+    assert outs[False] == outs[True]
+    assert max(rows) > 1, "no verification step ran fused"

@@ -11,15 +11,16 @@ interpreter's and the dispatcher's working set: the ops that follow pay for it
 It serves Llama-shaped layers only (Llama, Mistral, Qwen2, SmolLM: pre-norm
 RMSNorm, fused q/k/v with optional bias, rotate-half rotary over the whole head,
 SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
-layout (a weight reordered for oneDNN cannot be read here), and steps whose rows
-are all decodes, at most `MAX_ROWS` of them. Anything else takes the torch path.
+layout (a weight reordered for oneDNN cannot be read here), and steps of at most
+`MAX_ROWS` tokens that each attend as a decode: decodes, and speculative decoding's
+verification tokens. Anything else takes the torch path.
 
 The numbers are the torch path's: the kernel rounds to the model's dtype wherever
 the torch path holds a tensor, and runs the same matrix-vector and attention
-kernels; only exp (SiLU) and the square root (RMSNorm) are the Rust library's, not
-torch's vectorised ones, so a bfloat16 value now and then differs in its last bit
-(tests/test_fused_decode.py bounds it). A row's result does not depend on the rows
-beside it.
+kernels; only exp (SiLU, the extension's own, as on the torch path's native ops)
+and the square root (RMSNorm) are not torch's, so a bfloat16 value now and then
+differs in its last bit (tests/test_fused_decode.py bounds it). A row's result
+does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -83,26 +85,47 @@ class FusedDecode:
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         return (
-            meta.num_decodes == meta.num_tokens <= MAX_ROWS
-            and kv_caches is self.kv_caches
-            and meta.decode_block_tables is not None
+            meta.num_tokens <= MAX_ROWS and kv_caches is self.kv_caches and _rows(meta) is not None
         )
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Every layer over `hidden` [m, hidden] (the embeddings, updated in place)."""
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        rows = _rows(meta)
+        assert rows is not None
         cos_sin = self.rotary.cos_sin_cache.index_select(0, positions)
         self.plan.run(
             as_buffer(hidden),
             as_buffer(cos_sin),
             meta.slot_mapping.numpy(),
-            meta.decode_block_tables.numpy(),
-            meta.decode_seq_lens.numpy(),
+            *rows,
             self.num_threads,
         )
         return hidden
+
+
+def _rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each token's block table and seq_len when every token of the step attends as
+    a decode of its own: decodes, then tokens that attend token-wise (speculative
+    decoding's verifications: a request's last token and its drafts, each bounded
+    by its own position). The kernel writes every row's K/V before any row
+    attends, so each token sees the ones before it, as the torch path's do."""
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    if meta.num_decodes == meta.num_tokens:
+        return None if tables is None or lens is None else (tables.numpy(), lens.numpy())
+    tw, spans = meta.token_wise, meta.token_wise_spans
+    if tw is None or spans is None or spans != len(meta.prefills):
+        return None  # prompt spans in the step (or batch-invariant prompts)
+    if meta.num_decodes + len(tw[1]) != meta.num_tokens:
+        return None
+    if tables is None or lens is None or meta.num_decodes == 0:
+        return tw[0].numpy(), tw[1].numpy()
+    width = max(tables.shape[1], tw[0].shape[1])
+    both = np.zeros((meta.num_tokens, width), dtype=np.int64)
+    both[: meta.num_decodes, : tables.shape[1]] = tables.numpy()
+    both[meta.num_decodes :, : tw[0].shape[1]] = tw[0].numpy()
+    return both, np.concatenate((lens.numpy(), tw[1].numpy())).astype(np.int64)
 
 
 def unsupported(model: Any, kv_caches: list[torch.Tensor] | None = None) -> str | None:

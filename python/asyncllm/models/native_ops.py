@@ -91,11 +91,12 @@ def _rows_of_heads(x: torch.Tensor) -> bool:
         return False
     tokens, heads, head_dim = x.shape
     row = x.stride(0)
-    return (
+    end = x.storage_offset() + tokens * row
+    return bool(
         x.stride(2) == 1
         and x.stride(1) == head_dim
         and row >= heads * head_dim
-        and x.storage_offset() + tokens * row <= x.untyped_storage().nbytes() // x.element_size()
+        and end <= x.untyped_storage().nbytes() // x.element_size()
     )
 
 
