@@ -1,0 +1,210 @@
+"""The server's page in a real browser: headless Chromium (Debian's `chromium` and
+`chromium-driver`) driven by selenium, against `asyncllm serve` running the shipped
+asyncllm-tiny behind an API key, with the qwen3 reasoning parser. One server and one
+browser for the module; the tests run in order on the same page: the key asked for
+once, a streamed reply growing in the DOM, a reply stopped mid-stream (the server
+aborts it), forced output with `<script>` and `<think>` rendered as text with the
+reasoning apart, a raw completion, the dashboard's charts under load. A screenshot
+of each tab goes to the test's output folder. Skipped where the browser is absent."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from server_process import Server, get_text, post
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+from selenium.webdriver.common.by import By  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        CHROMIUM is None or CHROMEDRIVER is None,
+        reason="no headless browser: install Debian's chromium and chromium-driver",
+    ),
+]
+
+API_KEY = "sk-browser-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SCRIPT = "<script>window.pwned = 1</script><b>bold</b>"
+FORCED = f"<think>thinking it over</think>{SCRIPT}"
+
+
+def wait_for(check, timeout: float = 30.0, every: float = 0.05):
+    """check()'s first truthy value within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {check}")
+        time.sleep(every)
+
+
+def running(server: Server) -> float:
+    text = get_text(server.url + "/metrics", AUTH)
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("asyncllm:num_requests_running")
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ui-browser")
+    srv = Server(tmp / "server.log", "--api-key", API_KEY, "--reasoning-parser", "qwen3")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"]:
+        options.add_argument(arg)
+    options.add_argument("--disable-dev-shm-usage")
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(CHROMEDRIVER))
+    driver.implicitly_wait(0)
+    driver.get(server.url + "/")
+    yield driver
+    driver.quit()
+
+
+def by_id(driver, name: str):
+    return driver.find_element(By.ID, name)
+
+
+def fill(driver, name: str, value: str) -> None:
+    field = by_id(driver, name)
+    field.clear()
+    if value:
+        field.send_keys(value)
+
+
+def last_reply(driver):
+    return driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+
+
+def send(driver, text: str, max_tokens: int, extra: dict | None = None) -> None:
+    fill(driver, "max-tokens", str(max_tokens))
+    by_id(driver, "extra").clear()
+    if extra:
+        driver.execute_script(
+            "document.getElementById('extra').value = arguments[0]", json.dumps(extra)
+        )
+    fill(driver, "prompt", text)
+    by_id(driver, "send").click()
+
+
+def test_key_is_asked_once_and_kept_in_the_session(browser):
+    wait_for(lambda: by_id(browser, "key-form").is_displayed())
+    by_id(browser, "key-input").send_keys(API_KEY)
+    by_id(browser, "key-form").find_element(By.TAG_NAME, "button").click()
+    wait_for(lambda: by_id(browser, "model").text == "asyncllm-tiny")
+    assert browser.execute_script("return sessionStorage.getItem('asyncllm.apiKey')") == API_KEY
+    assert API_KEY not in browser.page_source  # nowhere in the document itself
+
+
+def test_reply_streams_into_the_page(browser):
+    # every length the reply's text takes in the DOM, as the browser renders it
+    browser.execute_script(
+        """window.lengths = [];
+        new MutationObserver(() => {
+          const r = [...document.querySelectorAll('.msg.assistant .content')].at(-1);
+          if (r) window.lengths.push(r.textContent.length);
+        }).observe(document.getElementById('messages'),
+                   {childList: true, subtree: true, characterData: true});"""
+    )
+    send(browser, "Tell me a story.", 48, {"ignore_eos": True})
+    reply = wait_for(lambda: last_reply(browser))
+    wait_for(lambda: reply.get_attribute("data-state") == "done", 60)
+    lengths = browser.execute_script("return window.lengths")
+    assert len(set(lengths)) >= 3, lengths  # it grew in steps, not all at once
+    assert lengths == sorted(lengths)
+    assert reply.get_attribute("data-finish") == "length"
+    assert reply.find_element(By.CLASS_NAME, "content").text
+    assert by_id(browser, "regenerate").is_enabled()
+
+
+def test_stop_aborts_the_request_on_the_server(browser, server):
+    send(browser, "Keep going.", 480, {"ignore_eos": True})
+    reply = wait_for(lambda: last_reply(browser).get_attribute("data-state") == "streaming")
+    wait_for(lambda: len(last_reply(browser).find_element(By.CLASS_NAME, "content").text) > 0)
+    assert running(server) == 1
+    by_id(browser, "stop").click()
+    reply = last_reply(browser)
+    wait_for(lambda: reply.get_attribute("data-state") == "done")
+    assert reply.get_attribute("data-finish") == "stopped"
+    wait_for(lambda: running(server) == 0, 10, 0.1)
+
+
+def test_model_output_is_text_and_reasoning_is_apart(browser, tmp_path):
+    by_id(browser, "clear").click()
+    send(browser, "Say something risky.", 64, {"structured_outputs": {"choice": [FORCED]}})
+    reply = wait_for(lambda: last_reply(browser))
+    wait_for(lambda: reply.get_attribute("data-state") == "done", 60)
+    content = reply.find_element(By.CLASS_NAME, "content")
+    assert content.get_attribute("textContent") == SCRIPT
+    assert content.find_elements(By.CSS_SELECTOR, "*") == []  # no element came from it
+    assert browser.execute_script("return window.pwned") is None
+    reasoning = reply.find_element(By.CLASS_NAME, "reasoning-text")
+    assert reasoning.is_displayed() and reasoning.text == "thinking it over"
+    send(browser, "Now as JSON.", 64, {"structured_outputs": {"choice": ['{"a": [1, 2]}']}})
+    reply = last_reply(browser)
+    wait_for(lambda: reply.get_attribute("data-state") == "done", 60)
+    assert reply.find_element(By.CSS_SELECTOR, ".content pre.json").text == json.dumps(
+        {"a": [1, 2]}, indent=2
+    )
+    browser.save_screenshot(str(tmp_path / "chat.png"))
+
+
+def test_completions_tab(browser, tmp_path):
+    browser.find_element(By.CSS_SELECTOR, ".tab[data-tab=completions]").click()
+    fill(browser, "completion-prompt", "Once upon a time")
+    fill(browser, "completion-max-tokens", "32")
+    by_id(browser, "complete").click()
+    wait_for(lambda: by_id(browser, "completion-text").text)
+    wait_for(lambda: by_id(browser, "complete").is_enabled())
+    assert by_id(browser, "completion-echo").text == "Once upon a time"
+    browser.save_screenshot(str(tmp_path / "completions.png"))
+
+
+def test_dashboard_charts_follow_a_load(browser, server, tmp_path):
+    browser.find_element(By.CSS_SELECTOR, ".tab[data-tab=dashboard]").click()
+    assert browser.current_url == server.url + "/dashboard"
+    stop = threading.Event()
+
+    def load() -> None:
+        body = {"model": "asyncllm-tiny", "prompt": "load", "max_tokens": 64, "ignore_eos": True}
+        while not stop.is_set():
+            post(server.url + "/v1/completions", body, AUTH)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        value = "#chart-tokens .value[data-series=generation]"
+
+        def generation_rate() -> float:
+            text = browser.find_element(By.CSS_SELECTOR, value).get_attribute("data-value")
+            return float(text) if text else 0.0
+
+        assert wait_for(generation_rate, 30, 0.2) > 0
+        wait_for(lambda: browser.find_element(By.CSS_SELECTOR, "#chart-itl .value").text != "–")
+        browser.save_screenshot(str(tmp_path / "dashboard.png"))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert Path(tmp_path / "dashboard.png").stat().st_size > 0
