@@ -9,10 +9,12 @@ of each tab goes to the test's output folder. Skipped where the browser is absen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,13 +52,44 @@ def wait_for(check, timeout: float = 30.0, every: float = 0.05):
         time.sleep(every)
 
 
-def running(server: Server) -> float:
+def metric(server: Server, name: str, label: str = "") -> float:
+    """The sum of the /metrics samples of `name` (with `label`, e.g. 'a="b"')."""
     text = get_text(server.url + "/metrics", AUTH)
     return sum(
         float(line.split()[-1])
         for line in text.splitlines()
-        if line.startswith("asyncllm:num_requests_running")
+        if line.startswith(name + "{") and label in line
     )
+
+
+def running(server: Server) -> float:
+    return metric(server, "asyncllm:num_requests_running")
+
+
+def aborted(server: Server) -> float:
+    return metric(server, "asyncllm:request_success_total", 'finished_reason="abort"')
+
+
+@contextlib.contextmanager
+def load(server: Server, streams: int, max_tokens: int) -> Iterator[None]:
+    """`streams` clients sending completions one after another until the block ends."""
+    stop = threading.Event()
+    body = {"model": "asyncllm-tiny", "prompt": "load", "max_tokens": max_tokens}
+    body["ignore_eos"] = True
+
+    def client() -> None:
+        while not stop.is_set():
+            post(server.url + "/v1/completions", body, AUTH)
+
+    threads = [threading.Thread(target=client) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 
 @pytest.fixture(scope="module")
@@ -138,15 +171,22 @@ def test_reply_streams_into_the_page(browser):
 
 
 def test_stop_aborts_the_request_on_the_server(browser, server):
-    send(browser, "Keep going.", 480, {"ignore_eos": True})
-    reply = wait_for(lambda: last_reply(browser).get_attribute("data-state") == "streaming")
-    wait_for(lambda: len(last_reply(browser).find_element(By.CLASS_NAME, "content").text) > 0)
-    assert running(server) == 1
-    by_id(browser, "stop").click()
-    reply = last_reply(browser)
-    wait_for(lambda: reply.get_attribute("data-state") == "done")
-    assert reply.get_attribute("data-finish") == "stopped"
-    wait_for(lambda: running(server) == 0, 10, 0.1)
+    """The model writes ~1,000 tokens/s alone, so other requests share the engine
+    meanwhile (the reply then takes seconds); the server counts the reply aborted."""
+    before = aborted(server)
+    with load(server, 4, 400):
+        wait_for(lambda: running(server) >= 4, 30, 0.1)
+        send(browser, "Keep going.", 400, {"ignore_eos": True})  # the context is 512 tokens
+        wait_for(lambda: last_reply(browser).get_attribute("data-state") == "streaming")
+        reply = last_reply(browser)
+        wait_for(lambda: reply.find_element(By.CLASS_NAME, "content").text)
+        by_id(browser, "stop").click()
+        wait_for(lambda: reply.get_attribute("data-state") == "done")
+        assert reply.get_attribute("data-finish") == "stopped"
+        assert not by_id(browser, "chat-error").is_displayed()
+        wait_for(lambda: aborted(server) == before + 1, 10, 0.1)
+    wait_for(lambda: running(server) == 0, 30, 0.1)
+    assert aborted(server) == before + 1  # the load itself ran to its end
 
 
 def test_model_output_is_text_and_reasoning_is_apart(browser, tmp_path):
@@ -183,17 +223,7 @@ def test_completions_tab(browser, tmp_path):
 def test_dashboard_charts_follow_a_load(browser, server, tmp_path):
     browser.find_element(By.CSS_SELECTOR, ".tab[data-tab=dashboard]").click()
     assert browser.current_url == server.url + "/dashboard"
-    stop = threading.Event()
-
-    def load() -> None:
-        body = {"model": "asyncllm-tiny", "prompt": "load", "max_tokens": 64, "ignore_eos": True}
-        while not stop.is_set():
-            post(server.url + "/v1/completions", body, AUTH)
-
-    threads = [threading.Thread(target=load) for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
+    with load(server, 3, 64):
         value = "#chart-tokens .value[data-series=generation]"
 
         def generation_rate() -> float:
@@ -202,9 +232,13 @@ def test_dashboard_charts_follow_a_load(browser, server, tmp_path):
 
         assert wait_for(generation_rate, 30, 0.2) > 0
         wait_for(lambda: browser.find_element(By.CSS_SELECTOR, "#chart-itl .value").text != "–")
+
+        def samples() -> int:
+            chart = browser.find_element(By.ID, "chart-tokens")
+            return int(chart.get_attribute("data-samples"))
+
+        first = samples()
+        wait_for(lambda: samples() >= first + 4, 30, 0.2)  # a few seconds of lines to see
+        assert generation_rate() > 0
         browser.save_screenshot(str(tmp_path / "dashboard.png"))
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
     assert Path(tmp_path / "dashboard.png").stat().st_size > 0

@@ -27,6 +27,7 @@ export class LineChart {
 
   // One poll's values (null: no value this time), then redraw.
   push(values) {
+    this.root.dataset.samples = String(Number(this.root.dataset.samples || 0) + 1);
     values.forEach((value, i) => {
       const line = this.series[i];
       line.push(value);

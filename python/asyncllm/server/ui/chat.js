@@ -18,7 +18,14 @@ function messageView(role, text) {
   reasoning.append(el("summary", "", "reasoning"), el("div", "reasoning-text"));
   node.append(reasoning, el("div", "content", text), el("div", "meta"));
   $("messages").append(node);
+  followEnd();
   return node;
+}
+
+// Keep the newest text in view while it streams (unless the reader scrolled up).
+function followEnd() {
+  const box = $("messages");
+  if (box.scrollHeight - box.scrollTop - box.clientHeight < 80) box.scrollTop = box.scrollHeight;
 }
 
 // JSON text shown formatted, or null when it is not JSON.
@@ -66,6 +73,7 @@ function applyDelta(view, state, delta) {
     state.content += delta.content;
     view.querySelector(".content").textContent = state.content;
   }
+  followEnd();
   for (const call of delta.tool_calls || []) {
     const slot = (state.tools[call.index ?? 0] ??= { name: "", arguments: "" });
     if (call.function?.name) slot.name += call.function.name;

@@ -12,7 +12,7 @@ let previous = null; // {time, prompt, generation}
 const latencyHistory = []; // bucket snapshots, oldest first
 
 const count = (v) => (v >= 100 ? v.toFixed(0) : v.toFixed(v >= 10 ? 1 : 2));
-const percent = (v) => (100 * v).toFixed(1) + "%";
+const percent = (v) => (100 * v).toFixed(v < 0.01 ? 2 : 1) + "%";
 const ms = (v) => (1000 * v).toFixed(v >= 0.1 ? 0 : 1) + " ms";
 const bytes = (v) => (v >= 1 << 20 ? (v / (1 << 20)).toFixed(1) + " MiB" : (v / 1024).toFixed(1) + " KiB");
 
