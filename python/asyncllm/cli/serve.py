@@ -81,6 +81,14 @@ def add_parser(sub: Any) -> None:
         default=10.0,
         help="seconds between stats log lines while busy (0: never)",
     )
+    _add_page_args(s)
+    s.add_argument("--log-level", default="info", help="server log level (default: info)")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_limit_args(p)
+
+
+def _add_page_args(s: Any) -> None:
+    """The browser page's flags, and the path prefix its URLs (and the API's) live under."""
     s.add_argument(
         "--no-ui",
         dest="ui",
@@ -93,9 +101,6 @@ def add_parser(sub: Any) -> None:
         help="the path prefix a reverse proxy serves this server under, e.g. /llm (the "
         "proxy strips it; default: none)",
     )
-    s.add_argument("--log-level", default="info", help="server log level (default: info)")
-    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_limit_args(p)
 
 
 def run(ns: argparse.Namespace) -> int:
