@@ -207,6 +207,24 @@ def test_model_output_is_text_and_reasoning_is_apart(browser, tmp_path):
         {"a": [1, 2]}, indent=2
     )
     browser.save_screenshot(str(tmp_path / "chat.png"))
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    send(browser, "Weather?", 64, {"tools": [tool], "tool_choice": forced})
+    reply = last_reply(browser)
+    wait_for(lambda: reply.get_attribute("data-state") == "done", 60)
+    call = reply.find_element(By.CSS_SELECTOR, "pre.tool-call").text
+    assert call == "get_weather(" + json.dumps({"city": "Paris"}, indent=2) + ")"
 
 
 def test_completions_tab(browser, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -22,7 +23,7 @@ UI_DIR = Path(__file__).parent / "ui"
 UI_PATHS = frozenset({"/", "/dashboard"})
 UI_PREFIX = "/ui/"
 CONTENT_SECURITY_POLICY = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 _TYPES = {
@@ -66,7 +67,7 @@ def ui_routes() -> list[Route]:
     async def static(request: Request) -> Response:
         found = files.get(request.path_params["name"])
         if found is None:
-            return Response(b"not found", status_code=404, media_type="text/plain")
+            raise HTTPException(404, "no such file in the page")
         content, media_type = found
         return Response(content, media_type=media_type, headers=_HEADERS)
 

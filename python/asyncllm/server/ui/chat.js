@@ -88,13 +88,14 @@ function finish(view, state, reason) {
   }
   for (const call of state.tools) {
     const args = formatted(call.arguments) ?? call.arguments;
-    view.append(el("pre", "json tool-call", `${call.name}(${args})`));
+    view.querySelector(".meta").before(el("pre", "json tool-call", `${call.name}(${args})`));
   }
   const parts = [reason ? `finish: ${reason}` : ""];
   if (state.usage) parts.push(`${state.usage.completion_tokens} tokens`);
   view.querySelector(".meta").textContent = parts.filter(Boolean).join(" · ");
   view.dataset.state = "done";
   view.dataset.finish = reason || "";
+  followEnd();
 }
 
 async function reply() {
