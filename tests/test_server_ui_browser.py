@@ -260,3 +260,40 @@ def test_dashboard_charts_follow_a_load(browser, server, tmp_path):
         assert generation_rate() > 0
         browser.save_screenshot(str(tmp_path / "dashboard.png"))
     assert Path(tmp_path / "dashboard.png").stat().st_size > 0
+
+
+def test_metrics_parsing_and_percentiles_in_the_page(browser):
+    """The dashboard's own reading of Prometheus text (ui/metrics.js), run in the page:
+    series summed over engines, a histogram's percentiles from two snapshots."""
+    text = "\n".join(
+        [
+            "# HELP asyncllm:num_requests_running Requests in the running batch.",
+            'asyncllm:num_requests_running{engine="0",model_name="a \\"b\\""} 2.0',
+            'asyncllm:num_requests_running{engine="1",model_name="a \\"b\\""} 3.0',
+            'asyncllm:itl_bucket{le="0.1",model_name="m"} 5.0',
+            'asyncllm:itl_bucket{le="0.5",model_name="m"} 10.0',
+            'asyncllm:itl_bucket{le="+Inf",model_name="m"} 10.0',
+        ]
+    )
+    got = browser.execute_async_script(
+        """const [text, done] = arguments;
+        import(new URL("ui/metrics.js", document.baseURI)).then((m) => {
+          const samples = m.parseMetrics(text);
+          const now = m.buckets(samples, "asyncllm:itl");
+          const before = [[0.1, 1], [0.5, 2], [Infinity, 2]];
+          done({
+            running: m.total(samples, "asyncllm:num_requests_running"),
+            label: samples["asyncllm:num_requests_running"][0].labels.model_name,
+            p50: m.quantile(0.5, now, null),
+            p90: m.quantile(0.9, now, null),
+            p50_since: m.quantile(0.5, now, before),
+            none: m.quantile(0.5, now, now),
+          });
+        });""",
+        text,
+    )
+    assert got["running"] == 5 and got["label"] == 'a "b"'
+    assert got["p50"] == pytest.approx(0.1) and got["p90"] == pytest.approx(0.42)
+    # 8 new observations since: 4 up to 0.1 s, 4 in (0.1, 0.5]: the median is 0.1
+    assert got["p50_since"] == pytest.approx(0.1)
+    assert got["none"] is None

@@ -9,7 +9,7 @@ export function parseMetrics(text) {
     if (!match) continue;
     const labels = {};
     for (const pair of (match[3] || "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) {
-      labels[pair[1]] = pair[2];
+      labels[pair[1]] = pair[2].replace(/\\(.)/g, (_, c) => (c === "n" ? "\n" : c));
     }
     (samples[match[1]] ??= []).push({ labels, value: Number(match[4]) });
   }
