@@ -4,16 +4,21 @@ asyncllm-tiny behind an API key, with the qwen3 reasoning parser. One server and
 browser for the module; the tests run in order on the same page: the key asked for
 once, a streamed reply growing in the DOM, a reply stopped mid-stream (the server
 aborts it), forced output with `<script>` and `<think>` rendered as text with the
-reasoning apart, a raw completion, the dashboard's charts under load. A screenshot
-of each tab goes to the test's output folder. Skipped where the browser is absent."""
+reasoning apart, a forced tool call, a raw completion, the dashboard's charts under
+load, the dashboard's Prometheus parsing, and the page behind a reverse proxy that
+serves it under /llm. A screenshot of each tab goes to the test's output folder.
+Skipped where the browser is absent."""
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import shutil
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -297,3 +302,66 @@ def test_metrics_parsing_and_percentiles_in_the_page(browser):
     # 8 new observations since: 4 up to 0.1 s, 4 in (0.1, 0.5]: the median is 0.1
     assert got["p50_since"] == pytest.approx(0.1)
     assert got["none"] is None
+
+
+class _StripPrefix(http.server.BaseHTTPRequestHandler):
+    """A reverse proxy that serves the server under /llm and strips the prefix, as
+    one in front of `asyncllm serve --root-path /llm` would (HTTP/1.0: one request
+    per connection, the answer streamed through as it comes)."""
+
+    target = ""
+
+    def _forward(self) -> None:
+        if not self.path.startswith("/llm/"):
+            self.send_error(404)
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host",)}
+        req = urllib.request.Request(
+            self.target + self.path[len("/llm") :], body, headers, method=self.command
+        )
+        try:
+            resp = urllib.request.urlopen(req, timeout=30)
+        except urllib.error.HTTPError as exc:
+            resp = exc
+        with resp:
+            self.send_response(resp.status)
+            for name, value in resp.headers.items():
+                if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(name, value)
+            self.end_headers()
+            while chunk := resp.read1(65536):
+                self.wfile.write(chunk)
+                self.wfile.flush()
+
+    do_GET = do_POST = _forward
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_page_works_behind_a_path_prefix(browser, server, tmp_path):
+    handler = type("Proxy", (_StripPrefix,), {"target": server.url})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{proxy.server_address[1]}/llm/"
+    try:
+        browser.get(base)  # another origin: its own sessionStorage, the key asked again
+        wait_for(lambda: by_id(browser, "key-form").is_displayed())
+        by_id(browser, "key-input").send_keys(API_KEY)
+        by_id(browser, "key-form").find_element(By.TAG_NAME, "button").click()
+        wait_for(lambda: by_id(browser, "model").text == "asyncllm-tiny")
+        send(browser, "Hello through the proxy.", 8)
+        reply = wait_for(lambda: last_reply(browser))
+        wait_for(lambda: reply.get_attribute("data-state") == "done", 60)
+        assert reply.get_attribute("data-finish") in ("stop", "length")
+        assert not by_id(browser, "chat-error").is_displayed()
+        browser.find_element(By.CSS_SELECTOR, ".tab[data-tab=dashboard]").click()
+        assert browser.current_url == base + "dashboard"
+        wait_for(lambda: by_id(browser, "dash-status").text.startswith("Updated"))
+        browser.refresh()  # the dashboard's own address loads the page too
+        wait_for(lambda: by_id(browser, "dashboard").is_displayed())
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
