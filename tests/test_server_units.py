@@ -98,6 +98,8 @@ def test_every_limit_is_a_documented_flag():
         "enable_store",
         "shutdown_timeout",
         "stats_interval",
+        "ui",
+        "root_path",
     }
     names = {f.name for f in dataclasses.fields(ServerConfig)} - base
     assert names == set(LIMIT_HELP)

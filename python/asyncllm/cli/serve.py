@@ -81,9 +81,26 @@ def add_parser(sub: Any) -> None:
         default=10.0,
         help="seconds between stats log lines while busy (0: never)",
     )
+    _add_page_args(s)
     s.add_argument("--log-level", default="info", help="server log level (default: info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_limit_args(p)
+
+
+def _add_page_args(s: Any) -> None:
+    """The browser page's flags, and the path prefix its URLs (and the API's) live under."""
+    s.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the browser page (chat at /, live charts at /dashboard)",
+    )
+    s.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves this server under, e.g. /llm (the "
+        "proxy strips it; default: none)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -106,6 +123,8 @@ def run(ns: argparse.Namespace) -> int:
             enable_store=ns.enable_store,
             shutdown_timeout=ns.shutdown_timeout,
             stats_interval=ns.stats_interval,
+            ui=ns.ui,
+            root_path=ns.root_path,
             **{name: getattr(ns, name) for name in LIMIT_HELP},
         )
         get_tool_parser(config.tool_call_parser)

@@ -21,7 +21,7 @@ from asyncllm.chat_template import ChatTemplate, resolve_template_source
 from asyncllm.errors import EngineDeadError
 from asyncllm.frontend.async_llm import AsyncLLM
 from asyncllm.server.config import ServerConfig
-from asyncllm.server.gateway import GatewayMiddleware, error_response
+from asyncllm.server.gateway import GatewayMiddleware, error_response, route_path
 from asyncllm.server.handlers import Handlers
 from asyncllm.server.limits import Admission
 from asyncllm.server.metrics import ServerMetrics, StatsLogger
@@ -32,6 +32,7 @@ from asyncllm.server.serving_completions import CompletionServing
 from asyncllm.server.serving_messages import MessagesServing
 from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.token_text import TokenText
+from asyncllm.server.ui_routes import ui_routes
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
             Route("/start_profile", h.start_profile, methods=["POST"]),
             Route("/stop_profile", h.stop_profile, methods=["POST"]),
         ]
+    if config.ui:  # the browser page (chat, completions, dashboard); --no-ui leaves it out
+        routes += ui_routes()
     app = Starlette(
         routes=routes,
         exception_handlers={
@@ -110,23 +113,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc, request.url.path)
+    return error_response(exc, route_path(request.scope))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
+    return error_response(APIError(exc.status_code, str(exc.detail)), route_path(request.scope))
 
 
 async def _on_engine_dead(request: Request, exc: Exception) -> Response:
     error = APIError(503, "the engine is not running", code="engine_dead")
-    return error_response(error, request.url.path)
+    return error_response(error, route_path(request.scope))
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
-    logger.exception("request %s %s failed", request.method, request.url.path)
+    logger.exception("request %s %s failed", request.method, route_path(request.scope))
     error = APIError(500, "internal server error", code="internal_error")
-    return error_response(error, request.url.path)
+    return error_response(error, route_path(request.scope))
 
 
 async def abort_in_flight(app: Starlette) -> None:

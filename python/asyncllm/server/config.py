@@ -60,6 +60,9 @@ class ServerConfig:
     enable_store: bool = False
     shutdown_timeout: float = 10.0
     stats_interval: float = 10.0
+    ui: bool = True  # the browser page at / and /dashboard (`--no-ui` turns it off)
+    # the path prefix a reverse proxy serves this server under ("" or "/a/b")
+    root_path: str = ""
     # -- limits (see LIMIT_HELP) --
     max_request_body_bytes: int = 16 * MiB
     max_prompt_chars: int = 1 * MiB
@@ -95,6 +98,11 @@ class ServerConfig:
                 raise ConfigError(f"{flag}={value!r} is invalid: must be a number >= {minimum}")
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
             raise ConfigError("--max-concurrent-requests must be >= 1")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError(
+                f"--root-path={self.root_path!r} is invalid: must start with '/' and not "
+                "end with one (e.g. /llm)"
+            )
 
 
 def limit_fields() -> list[tuple[str, type, object]]:

@@ -19,6 +19,7 @@ from asyncllm.server.config import ServerConfig
 from asyncllm.server.connection import log_cut_off
 from asyncllm.server.protocol import APIError
 from asyncllm.server.protocol_messages import anthropic_error_body
+from asyncllm.server.ui_routes import is_ui_path
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,15 @@ def error_response(exc: APIError, path: str = "") -> Response:
     )
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path without the root path (`--root-path`) uvicorn put in front."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
 def header_bytes(scope: Scope) -> int:
     """The size of a request's line and headers, as sent (near enough)."""
     size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16
@@ -51,6 +61,7 @@ class GatewayMiddleware:
         self.max_header_bytes = config.max_header_bytes
         self.max_body_bytes = config.max_request_body_bytes
         self.body_timeout = config.body_timeout
+        self.ui = config.ui  # the page's own files are open: it asks for the key itself
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,7 +82,8 @@ class GatewayMiddleware:
                 send,
             )
             return
-        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+        path = route_path(scope)
+        if self.api_key is not None and not self._is_open(path):
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
             ok = hmac.compare_digest(given, self.api_key)
@@ -93,6 +105,9 @@ class GatewayMiddleware:
                 return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    def _is_open(self, path: str) -> bool:
+        return path in _OPEN_PATHS or (self.ui and is_ui_path(path))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -131,7 +146,7 @@ class GatewayMiddleware:
 
     @staticmethod
     async def _reject(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-        await error_response(error, scope["path"])(scope, receive, send)
+        await error_response(error, route_path(scope))(scope, receive, send)
 
 
 def _too_large(limit: int) -> APIError:

@@ -90,6 +90,7 @@ def run_server(
             access_log=access_log,
             timeout_graceful_shutdown=int(config.shutdown_timeout + _CANCEL_MARGIN_S),
             timeout_keep_alive=5,
+            root_path=config.root_path,
             **uvicorn_options(config),
         )
         tasks: set[asyncio.Task[None]] = set()
