@@ -1,10 +1,13 @@
-"""Quantized weights kept quantized: SmolLM2-135M-Instruct from its GGUF (Q4_1
-layers, Q8_0 embedding) against the same weights dequantized to a bf16 safetensors
-checkpoint, in the engine.
+"""Quantized weights kept quantized: the GGUF kernels against the machine's memory
+bound and bf16 GEMMs (`--parts kernels`: benches/quant_kernels.py), and
+SmolLM2-135M-Instruct from its GGUF (Q4_1 layers, Q8_0 embedding) against the same
+weights dequantized to a bf16 safetensors checkpoint, in the engine (`--parts
+smollm2`).
 
-    python benches/bench_quant.py [--rounds 3] [--tokens 64] [--streams 64] [--quick]
+    python benches/bench_quant.py [--parts kernels smollm2] [--kernel-rows 1 64]
+        [--rounds 3] [--tokens 64] [--streams 64] [--quick]
 
-Reported, for each model:
+Reported, for SmolLM2:
   - load: `load_model` in this process (the GGUF's folder prepared beforehand, as a
     second start finds it), the median of `--rounds`; and the engine's start-up
     (`LLM(...)` until ready: a fresh core process, kernel choice cached);
@@ -41,8 +44,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_roofline import machine_header  # noqa: E402
 from fetch_smollm2 import fetch  # noqa: E402
 from models import QUICK_HELP  # noqa: E402
+from quant_kernels import kernel_rows, print_kernel_rows  # noqa: E402
 
-from asyncllm import LLM, SamplingParams  # noqa: E402
+from asyncllm import LLM, SamplingParams, _core  # noqa: E402
 from asyncllm.gguf_files import prepare_gguf  # noqa: E402
 from asyncllm.models.construct import get_model_class, uninitialised  # noqa: E402
 from asyncllm.models.gguf.tensors import GGUFTensors  # noqa: E402
@@ -157,10 +161,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    ap.add_argument("--parts", nargs="+", default=["kernels", "smollm2"])
+    ap.add_argument("--kernel-rows", nargs="+", type=int, default=[1, 64])
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.tokens, args.streams = 1, 4, 4
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
+    print(f"integer kernel path: {_core._gguf_int_isa()}", flush=True)
+    if "kernels" in args.parts:
+        print_kernel_rows(kernel_rows(args.kernel_rows, args.rounds, args.quick))
+    if "smollm2" in args.parts:
+        smollm2(args)
+
+
+def smollm2(args: argparse.Namespace) -> None:
+    """The engine rows: SmolLM2 from its GGUF against the same weights in bf16."""
     path = fetch()
     folder = prepare_gguf(path)
     conversations = [c["messages"] for c in json.loads(FIXTURE.read_text())["cases"]]

@@ -1,9 +1,8 @@
 //! `out = x · dequantize(W)ᵀ` on GGUF blocks with integer dot products, for the
 //! few rows of a decode step (as llama.cpp's CPU backend computes it).
 //!
-//! Each row of `x` is quantized per 32-block to int8 (`Q8Rows`: a scale
-//! `dx = max|x| / 127` and `x_q = round(x / dx)`, with `dx · Σ x_q` per half
-//! block); each weight block is unpacked to small integers `q` in registers
+//! Each row of `x` is quantized to int8 per 16 elements (`Q8Rows`: a scale
+//! `dx = max|x| / 127` and `x_q = round(x / dx)`, with `dx · Σ x_q`); each weight block is unpacked to small integers `q` in registers
 //! (`gguf_int_blocks`) and `Σ q · x_q` runs on the CPU's integer dot-product
 //! instructions, then `scale · dx` multiplies it into eight f32 lanes, and the
 //! blocks' offsets meet the activation sums in a scalar. The weight is read once
@@ -109,13 +108,16 @@ pub fn gguf_int_isa() -> Result<&'static str, KernelError> {
     Ok(QuantIsa::detect()?.name())
 }
 
-/// `x`'s rows quantized per 32-block to int8, as llama.cpp's Q8 activations.
+/// `x`'s rows quantized to int8 as llama.cpp's Q8 activations, but with a scale
+/// per 16 elements (half a block) instead of 32: it costs one multiply a block and
+/// an outlier then coarsens 16 neighbours, not 32 (on SmolLM2 the held-out
+/// perplexity moved 1.05 % from the float kernel's with scales per 32).
 pub(super) struct Q8Rows {
     /// 32-blocks per row.
     blocks: usize,
     qs: Vec<i8>,
-    /// Each block's scale `dx`.
-    d: Vec<f32>,
+    /// Each block's scales `dx`, per half.
+    d: Vec<[f32; 2]>,
     /// Each block's `dx · Σ x_q` over its first half, its second half, and whole.
     sums: Vec<[f32; 3]>,
 }
@@ -131,19 +133,20 @@ impl Q8Rows {
             sums: Vec::with_capacity(n),
         };
         for (xb, qb) in x.chunks_exact(32).zip(rows.qs.chunks_exact_mut(32)) {
-            let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            // a NaN anywhere makes the block's scale NaN, so it reaches the output
-            let nan = xb.iter().any(|v| v.is_nan());
-            let d = if nan { f32::NAN } else { amax / 127.0 };
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (q, v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+            let (mut d, mut s) = ([0.0f32; 2], [0.0f32; 2]);
+            for (h, (xh, qh)) in xb.chunks_exact(16).zip(qb.chunks_exact_mut(16)).enumerate() {
+                let amax = xh.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                // a NaN anywhere makes the scale NaN, so it reaches the output
+                let nan = xh.iter().any(|v| v.is_nan());
+                d[h] = if nan { f32::NAN } else { amax / 127.0 };
+                let id = if d[h] > 0.0 { 1.0 / d[h] } else { 0.0 };
+                for (q, v) in qh.iter_mut().zip(xh) {
+                    *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                }
+                s[h] = d[h] * qh.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
             }
-            let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
-            let (lo, hi) = (half(&qb[..16]), half(&qb[16..]));
             rows.d.push(d);
-            rows.sums
-                .push([d * lo as f32, d * hi as f32, d * (lo + hi) as f32]);
+            rows.sums.push([s[0], s[1], s[0] + s[1]]);
         }
         rows
     }
@@ -287,12 +290,8 @@ fn row_dots<S: IntSimd, B: IntBlock, const R: usize>(
                     } else {
                         S::dot_us(sub.q, xv)
                     };
-                    let dx = *d.add(at);
-                    let scale = if B::UNIFORM {
-                        S::splatf(sub.scale[0] * dx)
-                    } else {
-                        S::halves(sub.scale[0] * dx, sub.scale[1] * dx)
-                    };
+                    let dx = &*d.add(at);
+                    let scale = S::halves(sub.scale[0] * dx[0], sub.scale[1] * dx[1]);
                     acc[r] = S::acc(acc[r], lanes, scale);
                     if B::OFFSET {
                         let fs = &*sums.add(at);

@@ -35,7 +35,6 @@ pub(super) trait IntSimd {
     /// Lanes of Σ a·s, both signed, `s` never -128.
     unsafe fn dot_ss(a: Self::Q, s: Self::Q) -> Self::I;
     unsafe fn fzero() -> Self::F;
-    unsafe fn splatf(v: f32) -> Self::F;
     /// `a` in lanes 0..4, `b` in lanes 4..8 (the halves of a 32-block).
     unsafe fn halves(a: f32, b: f32) -> Self::F;
     /// `acc + f32(i) * scale`, rounded after the product and after the sum.
@@ -110,10 +109,6 @@ impl IntSimd for Portable {
     #[inline(always)]
     unsafe fn fzero() -> [f32; 8] {
         [0.0; 8]
-    }
-    #[inline(always)]
-    unsafe fn splatf(v: f32) -> [f32; 8] {
-        [v; 8]
     }
     #[inline(always)]
     unsafe fn halves(a: f32, b: f32) -> [f32; 8] {
@@ -246,10 +241,6 @@ mod x86 {
         #[inline(always)]
         unsafe fn fzero() -> __m256 {
             unsafe { _mm256_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn splatf(v: f32) -> __m256 {
-            unsafe { _mm256_set1_ps(v) }
         }
         #[inline(always)]
         unsafe fn halves(a: f32, b: f32) -> __m256 {

@@ -2,9 +2,9 @@
 //! each path equal to the portable one bit for bit, and the portable one within
 //! the int8 activations' rounding of dequantize + an f64 dot product.
 //!
-//! The tolerance: x's block `b` is stored as `dx_b · x_q` with `dx_b = max|x_b| /
-//! 127` and `x_q` rounded to nearest, so each `x_i` moves by at most `dx_b / 2`
-//! and the dot product by at most `Σ_i |w_i| · dx_b / 2`; on top of that, f32
+//! The tolerance: each 16 elements `b` of x are stored as `dx_b · x_q` with
+//! `dx_b = max|x_b| / 127` and `x_q` rounded to nearest, so each `x_i` moves by at
+//! most `dx_b / 2` and the dot product by at most `Σ_i |w_i| · dx_b / 2`; on top of that, f32
 //! rounding of a sum of `k` terms (1e-4 of `Σ |w_i x_i|`, generous).
 
 use super::gguf::{dequantize, GgufType};
@@ -101,7 +101,7 @@ fn portable_path_within_int8_rounding_of_dequantize() {
                 for j in 0..n {
                     let wr = &dense[j * k..(j + 1) * k];
                     let (mut want, mut bound, mut mag) = (0.0f64, 0.0f64, 0.0f64);
-                    for (xb, wb) in xr.chunks_exact(32).zip(wr.chunks_exact(32)) {
+                    for (xb, wb) in xr.chunks_exact(16).zip(wr.chunks_exact(16)) {
                         let dx = f64::from(xb.iter().fold(0.0f32, |a, v| a.max(v.abs()))) / 127.0;
                         for (xi, wi) in xb.iter().zip(wb) {
                             let (xi, wi) = (f64::from(*xi), f64::from(*wi));

@@ -32,6 +32,7 @@ from asyncllm.tracing import StepRecorder, phase
 from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
+from asyncllm.worker.gguf_select import select_gguf_kernels
 from asyncllm.worker.linear_select import select_linear_kernels
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
@@ -96,6 +97,12 @@ class ModelRunner:
             batch_invariant=config.batch_invariant,
             num_threads=torch.get_num_threads(),
             prefer_plain=config.fused_decode and unsupported(self.model) is None,
+        )
+        self.gguf_kernels = select_gguf_kernels(
+            self.model,
+            batch_invariant=config.batch_invariant,
+            num_threads=torch.get_num_threads(),
+            dtype=config.torch_dtype,
         )
         # Phi-3's longrope rotates a whole sequence by its prompt's length.
         self._pass_prompt_lens = bool(getattr(self.model, "uses_prompt_lens", False))
