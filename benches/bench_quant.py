@@ -5,7 +5,8 @@ weights dequantized to a bf16 safetensors checkpoint, in the engine (`--parts
 smollm2`).
 
     python benches/bench_quant.py [--parts kernels smollm2] [--kernel-rows 1 64]
-        [--rounds 3] [--tokens 64] [--streams 64] [--quick]
+        [--shapes 2048x5632 ...] [--types Q4_1 ...] [--one-thread] [--rounds 3]
+        [--tokens 64] [--streams 64] [--quick]
 
 Reported, for SmolLM2:
   - load: `load_model` in this process (the GGUF's folder prepared beforehand, as a
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench_roofline import machine_header  # noqa: E402
 from fetch_smollm2 import fetch  # noqa: E402
 from models import QUICK_HELP  # noqa: E402
-from quant_kernels import kernel_rows, print_kernel_rows  # noqa: E402
+from quant_kernels import SHAPES, TYPES, kernel_rows  # noqa: E402
 
 from asyncllm import LLM, SamplingParams, _core  # noqa: E402
 from asyncllm.gguf_files import prepare_gguf  # noqa: E402
@@ -163,13 +164,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     ap.add_argument("--parts", nargs="+", default=["kernels", "smollm2"])
     ap.add_argument("--kernel-rows", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="OUTxIN")
+    ap.add_argument("--types", nargs="+", default=list(TYPES))
+    ap.add_argument(
+        "--one-thread", action="store_true", help="kernels on one thread, in thread CPU time"
+    )
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.tokens, args.streams = 1, 4, 4
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
     print(f"integer kernel path: {_core._gguf_int_isa()}", flush=True)
     if "kernels" in args.parts:
-        print_kernel_rows(kernel_rows(args.kernel_rows, args.rounds, args.quick))
+        if args.one_thread:
+            torch.set_num_threads(1)
+        kernel_rows(args.kernel_rows, args.rounds, args.quick, args.shapes, args.types)
     if "smollm2" in args.parts:
         smollm2(args)
 

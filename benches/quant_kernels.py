@@ -10,6 +10,10 @@ the memory bound (the matrix's block bytes / the DRAM read bandwidth, measured i
 the same loop by the extension's vector sum) and the fastest bf16 GEMM on the same
 shape (torch's F.linear or oneDNN's prepacked linear over a bf16 ring).
 
+On a loaded machine, `--one-thread` runs everything on the calling thread and
+times it in thread CPU time (`time.thread_time`), the bandwidth probe included:
+time the OS gives other processes then counts for no one (memory stalls still do).
+
 The blocks are random bytes with small finite scales: the kernels' speed does not
 depend on the values (gguf-py cannot quantize the K types).
 """
@@ -44,11 +48,25 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch
     return torch.from_numpy(raw.reshape(n, -1))
 
 
+def _clock() -> float:
+    """Thread CPU time on one thread (every kernel then runs on this thread), else
+    wall time."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def _pass(fn, ring: list) -> float:  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
+    t0 = _clock()
     for item in ring:
         fn(item)
-    return (time.perf_counter() - t0) / len(ring)
+    return (_clock() - t0) / len(ring)
+
+
+def _bandwidth(flat: np.ndarray) -> float:
+    """Bytes/s of the extension's vector sum over `flat`, on the clock of `_clock`."""
+    threads = torch.get_num_threads()
+    t0 = _clock()
+    rate = _core._read_bandwidth(flat, threads)
+    return rate if threads > 1 else flat.nbytes / (_clock() - t0)
 
 
 def bf16_best(n: int, k: int, rows: int, total: int, rounds: int) -> tuple[float, str]:
@@ -70,12 +88,15 @@ def bf16_best(n: int, k: int, rows: int, total: int, rounds: int) -> tuple[float
     return median(times[best]), best
 
 
-def kernel_rows(rows_list: list[int], rounds: int, quick: bool) -> list[dict]:
-    """One dict per (shape, type, rows, kernel)."""
+def kernel_rows(
+    rows_list: list[int], rounds: int, quick: bool, shapes: list[str], types: list[str]
+) -> list[dict]:
+    """One dict per (shape, type, rows, kernel), each printed as it is measured."""
     total = 8 << 20 if quick else max(256 << 20, min(2 * llc_bytes(), 1 << 30))
-    shapes, types = (("256x512",), ("Q8_0", "Q4_1")) if quick else (SHAPES, TYPES)
+    if quick:
+        shapes, types = ["256x512"], ["Q8_0", "Q4_1"]
+    print_header(total)
     flat = np.ones(total // 4, dtype=np.float32)
-    threads = torch.get_num_threads()
     rng = np.random.default_rng(0)
     out = []
     for shape in shapes:
@@ -94,18 +115,18 @@ def kernel_rows(rows_list: list[int], rounds: int, quick: bool) -> list[dict]:
                 bws = []
                 with torch.inference_mode():
                     for name in names:
-                        _pass(lambda layer, name=name: layer.run(name, x), ring[:2])
+                        _pass(lambda layer, name=name, x=x: layer.run(name, x), ring[:2])
                     for _ in range(rounds):
                         for name in names:
                             times[name].append(
-                                _pass(lambda layer, name=name: layer.run(name, x), ring)
+                                _pass(lambda layer, name=name, x=x: layer.run(name, x), ring)
                             )
-                        bws.append(_core._read_bandwidth(flat, threads))
+                        bws.append(_bandwidth(flat))
                 bound = nbytes / median(bws)
                 for name in names:
                     t = median(times[name])
                     out.append(
-                        dict(
+                        row := dict(
                             shape=shape,
                             qtype=qtype,
                             rows=rows,
@@ -117,19 +138,24 @@ def kernel_rows(rows_list: list[int], rounds: int, quick: bool) -> list[dict]:
                             bf16_kernel=bf16[rows][1],
                         )
                     )
+                    print_row(row)
             del ring
     return out
 
 
-def print_kernel_rows(rows: list[dict]) -> None:
+def print_header(total: int) -> None:
+    print(f"\nrings of {total >> 20} MiB per shape and type; {torch.get_num_threads()} threads")
     print(
         "\n| shape | type | rows | kernel | ms | time / memory bound | read bw GB/s "
         "| best bf16 GEMM ms | bf16 / this |"
     )
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['shape']} | {r['qtype']} | {r['rows']} | {r['kernel']} | {r['ms']:.3f} | "
-            f"{r['of_bound']:.2f} | {r['bw']:.1f} | {r['bf16_ms']:.3f} ({r['bf16_kernel']}) | "
-            f"{r['bf16_ms'] / r['ms']:.2f} |"
-        )
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|", flush=True)
+
+
+def print_row(r: dict) -> None:
+    print(
+        f"| {r['shape']} | {r['qtype']} | {r['rows']} | {r['kernel']} | {r['ms']:.3f} | "
+        f"{r['of_bound']:.2f} | {r['bw']:.1f} | {r['bf16_ms']:.3f} ({r['bf16_kernel']}) | "
+        f"{r['bf16_ms'] / r['ms']:.2f} |",
+        flush=True,
+    )

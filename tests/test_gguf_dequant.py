@@ -223,7 +223,8 @@ digest = hashlib.sha256()
 for qtype, size, scales in %r:
     raw = rng.integers(0, 256, size=(21, 2 * size), dtype=np.uint8).reshape(-1, size)
     for at in scales:
-        raw[:, at : at + 2] = rng.uniform(-0.05, 0.05, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        scale = rng.uniform(-0.05, 0.05, (len(raw), 1)).astype(np.float16)
+        raw[:, at : at + 2] = scale.view(np.uint8)
     raw = raw.reshape(21, -1)
     for m in (1, 5, 11):
         x = rng.standard_normal((m, 512), dtype=np.float32)

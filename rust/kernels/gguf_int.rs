@@ -116,8 +116,9 @@ pub(super) struct Q8Rows {
     /// 32-blocks per row.
     blocks: usize,
     qs: Vec<i8>,
-    /// Each block's scales `dx`, per half.
-    d: Vec<[f32; 2]>,
+    /// Each block's scales `dx` as the eight i32 lanes of a dot product see them:
+    /// the first half's in lanes 0..4, the second's in 4..8 (one vector load).
+    d: Vec<[f32; 8]>,
     /// Each block's `dx · Σ x_q` over its first half, its second half, and whole.
     sums: Vec<[f32; 3]>,
 }
@@ -145,7 +146,7 @@ impl Q8Rows {
                 }
                 s[h] = d[h] * qh.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
             }
-            rows.d.push(d);
+            rows.d.push(std::array::from_fn(|l| d[l / 4]));
             rows.sums.push([s[0], s[1], s[0] + s[1]]);
         }
         rows
@@ -269,8 +270,14 @@ fn row_dots<S: IntSimd, B: IntBlock, const R: usize>(
     first: usize,
 ) -> [f32; R] {
     let nb = xq.blocks;
-    assert!(row.len() * B::SUBS == nb * B::BYTES, "a row of whole blocks");
-    assert!((first + R) * nb <= xq.d.len(), "rows first..first + R of xq");
+    assert!(
+        row.len() * B::SUBS == nb * B::BYTES,
+        "a row of whole blocks"
+    );
+    assert!(
+        (first + R) * nb <= xq.d.len(),
+        "rows first..first + R of xq"
+    );
     let (qs, d, sums) = (xq.qs.as_ptr(), xq.d.as_ptr(), xq.sums.as_ptr());
     // SAFETY: each block read lies in `row` (whole blocks: asserted); the
     // activation block `at = (first + r) * nb + s` (r < R, s < nb) lies in `xq`
@@ -290,8 +297,12 @@ fn row_dots<S: IntSimd, B: IntBlock, const R: usize>(
                     } else {
                         S::dot_us(sub.q, xv)
                     };
-                    let dx = &*d.add(at);
-                    let scale = S::halves(sub.scale[0] * dx[0], sub.scale[1] * dx[1]);
+                    let dx = S::loadf(d.add(at).cast());
+                    let scale = if B::UNIFORM {
+                        S::mulf(S::splatf(sub.scale[0]), dx)
+                    } else {
+                        S::mulf(S::halves(sub.scale[0], sub.scale[1]), dx)
+                    };
                     acc[r] = S::acc(acc[r], lanes, scale);
                     if B::OFFSET {
                         let fs = &*sums.add(at);

@@ -116,7 +116,11 @@ impl<const FIFTH: bool> IntBlock for QK4<FIFTH> {
             let (d, dmin) = (S::half(b), S::half(b.add(2)));
             let (sc, mn) = scale_min_k4(&*b.add(4).cast::<[u8; 12]>());
             let qs = b.add(Self::BYTES - 128);
-            let qh = if FIFTH { S::load(b.add(16)) } else { S::splat(0) };
+            let qh = if FIFTH {
+                S::load(b.add(16))
+            } else {
+                S::splat(0)
+            };
             let low4 = S::splat(0x0f);
             for g in 0..4 {
                 let v = S::load(qs.add(32 * g));
@@ -154,7 +158,10 @@ impl IntBlock for Q6K {
                 let (h, c) = (s / 4, s % 4);
                 let l = S::load(b.add(h * 64 + (c % 2) * 32));
                 let low = S::and(if c < 2 { l } else { S::srl16(l, 4) }, low4);
-                let high = S::and(S::srl16(S::load(b.add(128 + h * 32)), 2 * c as u32), S::splat(3));
+                let high = S::and(
+                    S::srl16(S::load(b.add(128 + h * 32)), 2 * c as u32),
+                    S::splat(3),
+                );
                 let q = S::or(low, S::sll16_4(high));
                 let scale = [2 * s, 2 * s + 1].map(|g| d * f32::from(scales[g] as i8));
                 f(

@@ -35,6 +35,10 @@ pub(super) trait IntSimd {
     /// Lanes of Σ a·s, both signed, `s` never -128.
     unsafe fn dot_ss(a: Self::Q, s: Self::Q) -> Self::I;
     unsafe fn fzero() -> Self::F;
+    unsafe fn splatf(v: f32) -> Self::F;
+    /// Eight f32 from `p`.
+    unsafe fn loadf(p: *const f32) -> Self::F;
+    unsafe fn mulf(a: Self::F, b: Self::F) -> Self::F;
     /// `a` in lanes 0..4, `b` in lanes 4..8 (the halves of a 32-block).
     unsafe fn halves(a: f32, b: f32) -> Self::F;
     /// `acc + f32(i) * scale`, rounded after the product and after the sum.
@@ -111,6 +115,18 @@ impl IntSimd for Portable {
         [0.0; 8]
     }
     #[inline(always)]
+    unsafe fn splatf(v: f32) -> [f32; 8] {
+        [v; 8]
+    }
+    #[inline(always)]
+    unsafe fn loadf(p: *const f32) -> [f32; 8] {
+        unsafe { p.cast::<[f32; 8]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn mulf(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
     unsafe fn halves(a: f32, b: f32) -> [f32; 8] {
         std::array::from_fn(|i| if i < 4 { a } else { b })
     }
@@ -140,7 +156,7 @@ fn shift16(a: [u8; 32], f: impl Fn(u16) -> u16) -> [u8; 32] {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) use x86::{X86, AVX512_VNNI, AVX_VNNI, MADDUBS};
+pub(super) use x86::{AVX512_VNNI, AVX_VNNI, MADDUBS, X86};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -241,6 +257,18 @@ mod x86 {
         #[inline(always)]
         unsafe fn fzero() -> __m256 {
             unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn splatf(v: f32) -> __m256 {
+            unsafe { _mm256_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn loadf(p: *const f32) -> __m256 {
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn mulf(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_mul_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn halves(a: f32, b: f32) -> __m256 {

@@ -76,7 +76,10 @@ fn every_path_equals_portable_bit_for_bit() {
                 for threads in [1, 2] {
                     let mut got = vec![f32::NAN; m * n];
                     run(isa, t, (m, k), &x, &w, threads, &mut got).unwrap();
-                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{t:?} {isa:?} m={m} threads={threads}");
                 }
             }
@@ -132,11 +135,56 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
     let mut x = xs(1, k, &mut rng);
     x[5] = f32::NAN;
     let mut out = vec![0.0; n];
-    run(QuantIsa::Portable, GgufType::Q4_1, (1, k), &x, &w, 1, &mut out).unwrap();
+    run(
+        QuantIsa::Portable,
+        GgufType::Q4_1,
+        (1, k),
+        &x,
+        &w,
+        1,
+        &mut out,
+    )
+    .unwrap();
     assert!(out.iter().all(|v| v.is_nan()));
     let p = QuantIsa::Portable;
-    assert!(run(p, GgufType::F16, (1, 32), &[0.0; 32], &[0; 64], 1, &mut [0.0; 1]).is_err());
-    assert!(run(p, GgufType::Q8_0, (1, 32), &[0.0; 32], &[0; 68], 1, &mut [0.0; 1]).is_err());
-    assert!(run(p, GgufType::Q8_0, (1, 30), &[0.0; 30], &[0; 34], 1, &mut [0.0; 1]).is_err());
-    assert!(run(p, GgufType::Q8_0, (1, 32), &[0.0; 32], &[0; 34], 0, &mut [0.0; 1]).is_err());
+    assert!(run(
+        p,
+        GgufType::F16,
+        (1, 32),
+        &[0.0; 32],
+        &[0; 64],
+        1,
+        &mut [0.0; 1]
+    )
+    .is_err());
+    assert!(run(
+        p,
+        GgufType::Q8_0,
+        (1, 32),
+        &[0.0; 32],
+        &[0; 68],
+        1,
+        &mut [0.0; 1]
+    )
+    .is_err());
+    assert!(run(
+        p,
+        GgufType::Q8_0,
+        (1, 30),
+        &[0.0; 30],
+        &[0; 34],
+        1,
+        &mut [0.0; 1]
+    )
+    .is_err());
+    assert!(run(
+        p,
+        GgufType::Q8_0,
+        (1, 32),
+        &[0.0; 32],
+        &[0; 34],
+        0,
+        &mut [0.0; 1]
+    )
+    .is_err());
 }

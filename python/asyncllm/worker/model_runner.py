@@ -29,10 +29,10 @@ from asyncllm.models.loader import load_model
 from asyncllm.models.native_ops import use_native_ops
 from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
+from asyncllm.worker.gguf_select import select_gguf_kernels
 from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
-from asyncllm.worker.gguf_select import select_gguf_kernels
 from asyncllm.worker.linear_select import select_linear_kernels
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
