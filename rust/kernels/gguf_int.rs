@@ -297,12 +297,7 @@ fn row_dots<S: IntSimd, B: IntBlock, const R: usize>(
                     } else {
                         S::dot_us(sub.q, xv)
                     };
-                    let dx = S::loadf(d.add(at).cast());
-                    let scale = if B::UNIFORM {
-                        S::mulf(S::splatf(sub.scale[0]), dx)
-                    } else {
-                        S::mulf(S::halves(sub.scale[0], sub.scale[1]), dx)
-                    };
+                    let scale = S::mulf(sub.scale, S::loadf(d.add(at).cast()));
                     acc[r] = S::acc(acc[r], lanes, scale);
                     if B::OFFSET {
                         let fs = &*sums.add(at);

@@ -1,17 +1,18 @@
 //! Each GGUF block type as the integer kernel sees it: per 32-element sub-block,
-//! 32 small unsigned integers `q` (Q8_0: signed), a float scale per 16-element
-//! half and an offset per half, so that the weights are
-//! `w = scale · q + offset` (Q4_0: `offset = -8 · d`; Q4_K: `-dmin · min_j`; ...).
+//! 32 small integers `q` (unsigned; signed for Q8_0, Q4_0 and Q5_0), a float scale
+//! per 16-element half and an offset per half, so that the weights are
+//! `w = scale · q + offset` (Q4_1: `offset = m`; Q4_K: `-dmin · min_j`; ...).
 //! The kernel then needs `Σ q·x_q` (an integer dot product) and the activation
 //! block's `Σ x_q` (`gguf_int::Q8Rows`). The reference decoding is `gguf::decode_row`.
 
 use super::gguf::scale_min_k4;
 use super::gguf_simd::IntSimd;
 
-/// One sub-block of 32 weights: `w[i] = scale[h] · q[i] + offset[h]`, `h = i / 16`.
-pub(super) struct Sub<Q> {
-    pub q: Q,
-    pub scale: [f32; 2],
+/// One sub-block of 32 weights: `w[i] = scale[l] · q[i] + offset[h]`, with `l = i
+/// / 4` the lane of a dot product that sums `q[i]` and `h = i / 16` the half.
+pub(super) struct Sub<S: IntSimd> {
+    pub q: S::Q,
+    pub scale: S::F,
     pub offset: [f32; 2],
 }
 
@@ -20,25 +21,25 @@ pub(super) trait IntBlock {
     const BYTES: usize;
     /// 32-element sub-blocks per block.
     const SUBS: usize = 1;
-    /// Whether `q` is signed (Q8_0), else unsigned and at most 63.
+    /// Whether `q` is signed (Q8_0, Q4_0, Q5_0), else unsigned and at most 63.
     const SIGNED: bool = false;
     /// Whether both halves share a scale and offset (all but Q6_K).
     const UNIFORM: bool = true;
-    /// Whether the offset is ever non-zero (all but Q8_0).
+    /// Whether the offset is ever non-zero (all but Q8_0, Q4_0, Q5_0).
     const OFFSET: bool = true;
     /// Calls `f(s, sub)` for each sub-block `s` of the block at `b`, in order.
     ///
     /// SAFETY (for the caller): `b` points at `BYTES` readable bytes, and the
     /// instructions of `S` are available.
-    unsafe fn each<S: IntSimd>(b: *const u8, f: impl FnMut(usize, Sub<S::Q>));
+    unsafe fn each<S: IntSimd>(b: *const u8, f: impl FnMut(usize, Sub<S>));
 }
 
-/// A sub-block with one scale and offset.
+/// A sub-block with one scale (in every lane) and offset.
 #[inline(always)]
-fn sub<Q>(q: Q, scale: f32, offset: f32) -> Sub<Q> {
+fn sub<S: IntSimd>(q: S::Q, scale: S::F, offset: f32) -> Sub<S> {
     Sub {
         q,
-        scale: [scale; 2],
+        scale,
         offset: [offset; 2],
     }
 }
@@ -49,21 +50,25 @@ impl IntBlock for Q8_0 {
     const SIGNED: bool = true;
     const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         // SAFETY (every `each`): the reads lie within the block's `BYTES` (the
         // offsets below are those of llama.cpp's block layouts).
-        unsafe { f(0, sub(S::load(b.add(2)), S::half(b), 0.0)) }
+        unsafe { f(0, sub(S::load(b.add(2)), S::halfv(b), 0.0)) }
     }
 }
 
+/// The offset types with `w = d · (q - o)` (Q4_0, Q5_0) take `q - o` as signed
+/// integers: no float offset, and only the broadcast `d`.
 pub(super) struct Q4_0;
 impl IntBlock for Q4_0 {
     const BYTES: usize = 18;
+    const SIGNED: bool = true;
+    const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
-            let d = S::half(b);
-            f(0, sub(S::nibbles(b.add(2)), d, -8.0 * d))
+            let q = S::sub8(S::nibbles(b.add(2)), S::splat(8));
+            f(0, sub(q, S::halfv(b), 0.0))
         }
     }
 }
@@ -72,21 +77,22 @@ pub(super) struct Q4_1;
 impl IntBlock for Q4_1 {
     const BYTES: usize = 20;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
-        unsafe { f(0, sub(S::nibbles(b.add(4)), S::half(b), S::half(b.add(2)))) }
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
+        unsafe { f(0, sub(S::nibbles(b.add(4)), S::halfv(b), S::half(b.add(2)))) }
     }
 }
 
 pub(super) struct Q5_0;
 impl IntBlock for Q5_0 {
     const BYTES: usize = 22;
+    const SIGNED: bool = true;
+    const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
-            let d = S::half(b);
             let qh = b.add(2).cast::<u32>().read_unaligned();
             let q = S::or(S::nibbles(b.add(6)), S::bits(u32::from_le(qh), 0x10));
-            f(0, sub(q, d, -16.0 * d))
+            f(0, sub(S::sub8(q, S::splat(16)), S::halfv(b), 0.0))
         }
     }
 }
@@ -95,11 +101,11 @@ pub(super) struct Q5_1;
 impl IntBlock for Q5_1 {
     const BYTES: usize = 24;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
             let qh = b.add(4).cast::<u32>().read_unaligned();
             let q = S::or(S::nibbles(b.add(8)), S::bits(u32::from_le(qh), 0x10));
-            f(0, sub(q, S::half(b), S::half(b.add(2))))
+            f(0, sub(q, S::halfv(b), S::half(b.add(2))))
         }
     }
 }
@@ -111,7 +117,7 @@ impl<const FIFTH: bool> IntBlock for QK4<FIFTH> {
     const BYTES: usize = if FIFTH { 176 } else { 144 };
     const SUBS: usize = 8;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
             let (d, dmin) = (S::half(b), S::half(b.add(2)));
             let (sc, mn) = scale_min_k4(&*b.add(4).cast::<[u8; 12]>());
@@ -132,7 +138,7 @@ impl<const FIFTH: bool> IntBlock for QK4<FIFTH> {
                         let set = S::eq(S::and(qh, bit), bit);
                         q = S::or(q, S::and(set, S::splat(0x10)));
                     }
-                    let scale = d * f32::from(sc[j]);
+                    let scale = S::splatf(d * f32::from(sc[j]));
                     f(j, sub(q, scale, -(dmin * f32::from(mn[j]))));
                 }
             }
@@ -148,7 +154,7 @@ impl IntBlock for Q6K {
     const SUBS: usize = 8;
     const UNIFORM: bool = false;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S::Q>)) {
+    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
             let d = S::half(b.add(208));
             let scales = &*b.add(192).cast::<[u8; 16]>();
@@ -168,7 +174,7 @@ impl IntBlock for Q6K {
                     s,
                     Sub {
                         q,
-                        scale,
+                        scale: S::halves(scale[0], scale[1]),
                         offset: scale.map(|v| -32.0 * v),
                     },
                 );

@@ -21,6 +21,8 @@ pub(super) trait IntSimd {
     unsafe fn splat(b: u8) -> Self::Q;
     unsafe fn and(a: Self::Q, b: Self::Q) -> Self::Q;
     unsafe fn or(a: Self::Q, b: Self::Q) -> Self::Q;
+    /// Bytewise `a - b`, wrapping.
+    unsafe fn sub8(a: Self::Q, b: Self::Q) -> Self::Q;
     /// Each 16-bit lane shifted right by `n` < 16, zeros shifted in.
     unsafe fn srl16(a: Self::Q, n: u32) -> Self::Q;
     /// Each 16-bit lane shifted left by 4.
@@ -46,6 +48,9 @@ pub(super) trait IntSimd {
     unsafe fn lanes(v: Self::F) -> [f32; 8];
     /// The IEEE half at `p` (2 bytes) as f32, exactly.
     unsafe fn half(p: *const u8) -> f32;
+    /// The IEEE half at `p` as f32 in every lane (a broadcast and one conversion:
+    /// cheaper than `splatf(half(p))` on x86).
+    unsafe fn halfv(p: *const u8) -> Self::F;
 }
 
 /// Plain Rust on arrays: what a CPU without AVX2 runs, and the bit-exact reference
@@ -77,6 +82,10 @@ impl IntSimd for Portable {
     #[inline(always)]
     unsafe fn or(a: [u8; 32], b: [u8; 32]) -> [u8; 32] {
         std::array::from_fn(|i| a[i] | b[i])
+    }
+    #[inline(always)]
+    unsafe fn sub8(a: [u8; 32], b: [u8; 32]) -> [u8; 32] {
+        std::array::from_fn(|i| a[i].wrapping_sub(b[i]))
     }
     #[inline(always)]
     unsafe fn srl16(a: [u8; 32], n: u32) -> [u8; 32] {
@@ -143,6 +152,10 @@ impl IntSimd for Portable {
         let h = unsafe { p.cast::<[u8; 2]>().read_unaligned() };
         super::gguf::f16_to_f32(u16::from_le_bytes(h))
     }
+    #[inline(always)]
+    unsafe fn halfv(p: *const u8) -> [f32; 8] {
+        [unsafe { Self::half(p) }; 8]
+    }
 }
 
 /// `f` on each little-endian 16-bit lane of `a`.
@@ -190,11 +203,11 @@ mod x86 {
         #[inline(always)]
         unsafe fn nibbles(p: *const u8) -> __m256i {
             unsafe {
-                let v = _mm_loadu_si128(p.cast());
-                let m = _mm_set1_epi8(0x0f);
-                let lo = _mm_and_si128(v, m);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m);
-                _mm256_set_m128i(hi, lo)
+                // the 16 bytes in both halves (a load, no shuffle), the upper
+                // half shifted by 4 bits, then each byte's low nibble
+                let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
+                let v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+                _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
             }
         }
         #[inline(always)]
@@ -208,6 +221,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
             unsafe { _mm256_or_si256(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn sub8(a: __m256i, b: __m256i) -> __m256i {
+            unsafe { _mm256_sub_epi8(a, b) }
         }
         #[inline(always)]
         unsafe fn srl16(a: __m256i, n: u32) -> __m256i {
@@ -290,6 +307,10 @@ mod x86 {
                 let h = p.cast::<u16>().read_unaligned();
                 _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
             }
+        }
+        #[inline(always)]
+        unsafe fn halfv(p: *const u8) -> __m256 {
+            unsafe { _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned())) }
         }
     }
 }

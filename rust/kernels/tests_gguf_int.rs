@@ -49,7 +49,7 @@ fn blocks(t: GgufType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
     for b in w.chunks_exact_mut(size) {
         for &at in halves {
             // 0x1000..0x2a00: 2^-11.. 0.05; the sign bit at random
-            let h = 0x1000 + (rng.next() % 0x1a00) as u16 | (rng.next() as u16 & 0x8000);
+            let h = (0x1000 + (rng.next() % 0x1a00) as u16) | (rng.next() as u16 & 0x8000);
             b[at..at + 2].copy_from_slice(&h.to_le_bytes());
         }
     }
