@@ -270,3 +270,16 @@ def test_every_integer_path_forced_gives_the_same_bits() -> None:
         assert name == isa
         digests[isa] = digest
     assert len(set(digests.values())) == 1, digests
+
+
+def test_integer_kernel_row_alone_equals_row_in_a_batch() -> None:
+    """A row's result from the integer kernel does not depend on the rows beside it
+    (rows share each unpacked block in groups of 8, 4, 2, 1; each row's arithmetic
+    is the same): what the batch-invariant mode relies on."""
+    raw = torch.from_numpy(_quantized_or_finite("Q4_K", 24, 512))
+    layer = GGUFLinear([("Q4_K", raw)], 512, None)
+    layer.set_kernels(("int",) * len(layer.kernels))
+    x = torch.randn(11, 512)
+    batch = layer(x)
+    for i in (0, 7, 10):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
