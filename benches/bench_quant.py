@@ -1,14 +1,18 @@
-"""Quantized weights kept quantized: SmolLM2-135M-Instruct from its GGUF (Q4_1
-layers, Q8_0 embedding) against the same weights dequantized to a bf16 safetensors
-checkpoint, in the engine; and the other quantized encodings of those bf16 weights:
+"""Quantized weights kept quantized: the GGUF kernels against the machine's memory
+bound and bf16 GEMMs (`--parts kernels`: benches/quant_kernels.py), and
+SmolLM2-135M-Instruct from its GGUF (Q4_1 layers, Q8_0 embedding) against the same
+weights dequantized to a bf16 safetensors checkpoint, in the engine (`--parts
+smollm2`); and the other quantized encodings of those bf16 weights:
 `--quantization int8` / `int4` at load, and compressed-tensors checkpoints written
 from them (W8A8 int8 with dynamic per-token inputs, W4A16 groups of 32; needs
 `pip install 'asyncllm[compressed-tensors]'`).
 
-    python benches/bench_quant.py [--rounds 3] [--tokens 64] [--streams 64] [--quick]
+    python benches/bench_quant.py [--parts kernels smollm2] [--kernel-rows 1 64]
+        [--shapes 2048x5632 ...] [--types Q4_1 ...] [--one-thread] [--rounds 3]
+        [--tokens 64] [--streams 64] [--quick]
         [--setups gguf,bf16,int8,int4,ct-w8a8,ct-w4a16]
 
-Reported, for each model:
+Reported, for each SmolLM2 setup:
   - load: `load_model` in this process (the GGUF's folder prepared beforehand, as a
     second start finds it), the median of `--rounds`; and the engine's start-up
     (`LLM(...)` until ready: a fresh core process, kernel choice cached);
@@ -44,10 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_roofline import machine_header  # noqa: E402
 from compressed_checkpoint import write_compressed  # noqa: E402
+from quant_kernels import SHAPES, TYPES, kernel_rows  # noqa: E402
 from fetch_smollm2 import fetch  # noqa: E402
 from models import QUICK_HELP  # noqa: E402
 
-from asyncllm import LLM, SamplingParams  # noqa: E402
+from asyncllm import LLM, SamplingParams, _core  # noqa: E402
 from asyncllm.gguf_files import prepare_gguf  # noqa: E402
 from asyncllm.models.construct import get_model_class, uninitialised  # noqa: E402
 from asyncllm.models.gguf.tensors import GGUFTensors  # noqa: E402
@@ -237,6 +242,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS}")
+    ap.add_argument("--parts", nargs="+", default=["kernels", "smollm2"])
+    ap.add_argument("--kernel-rows", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="OUTxIN")
+    ap.add_argument("--types", nargs="+", default=list(TYPES))
+    ap.add_argument(
+        "--one-thread", action="store_true", help="kernels on one thread, in thread CPU time"
+    )
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     if args.quick:  # one setup per loader: the GGUF, --quantization, compressed-tensors
@@ -246,7 +258,19 @@ def main() -> None:
     if "bf16" not in names or not set(names) <= set(SETUPS):
         ap.error(f"--setups: names from {SETUPS}, bf16 among them (the baseline)")
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
-    int_mm_table(1 if args.quick else 7)
+    print(f"integer kernel path: {_core._gguf_int_isa()}", flush=True)
+    if "kernels" in args.parts:
+        if args.one_thread:
+            torch.set_num_threads(1)
+        kernel_rows(args.kernel_rows, args.rounds, args.quick, args.shapes, args.types)
+    if "smollm2" in args.parts:
+        int_mm_table(1 if args.quick else 7)
+        smollm2(args, names)
+
+
+def smollm2(args: argparse.Namespace, names: list[str]) -> None:
+    """The engine rows: SmolLM2 from its GGUF and its other encodings against the
+    same weights in bf16."""
     path = fetch()
     folder = prepare_gguf(path)
     conversations = [c["messages"] for c in json.loads(FIXTURE.read_text())["cases"]]

@@ -3,6 +3,11 @@ for bit, and the layers that compute on blocks equal dequantize + float32 math."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +23,7 @@ from asyncllm.models.gguf.dequant import (
     dequantize_torch,
     row_bytes,
 )
-from asyncllm.models.gguf.layers import GGUFEmbedding, GGUFLinear
+from asyncllm.models.gguf.layers import GGUF_KERNELS, INT_TYPES, GGUFEmbedding, GGUFLinear
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py on NaN scales
 
@@ -76,19 +81,43 @@ def test_quantized_blocks_equal_gguf_py_bit_for_bit(qtype: str, impl: str) -> No
     assert _same_bits(IMPLEMENTATIONS[impl](torch.from_numpy(raw), qtype), want)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])  # the fused kernel, and tiles + GEMM
+@pytest.mark.parametrize("kernel", GGUF_KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 9])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_linear_equals_dequantize_then_float32_matmul(qtype: str, rows: int) -> None:
+def test_linear_equals_dequantize_then_float32_matmul(qtype: str, rows: int, kernel: str) -> None:
     cols = max(BLOCK_SIZES[qtype][0] * 2, 64)
     raw = torch.from_numpy(_quantized_or_finite(qtype, 40, cols))
     bias = torch.randn(40)
     layer = GGUFLinear([(qtype, raw)], cols, bias)
     layer.tile_rows = 7  # several tiles, the last one short
-    assert (rows <= layers.FUSED_MAX_ROWS) == (rows < 9)  # 1, 3: fused; 9: tiles
+    layer.set_kernels((kernel,) * len(layer.kernels))
     x = torch.randn(rows, cols)
     weight = dequantize(raw, qtype)
-    _assert_rounding_close(layer(x), F.linear(x, weight, bias), x, weight)
+    want = F.linear(x, weight, bias)
+    if kernel == "int" and qtype in INT_TYPES:
+        _assert_int8_close(layer(x), want, x, weight)
+    elif kernel == "tiles_bf16":
+        _assert_rounding_close(layer(x), want, x, weight, rel=2**-7)
+    else:
+        _assert_rounding_close(layer(x), want, x, weight)
     assert torch.equal(layer.dequantized(), dequantize(raw, qtype))
+
+
+def test_default_kernels_by_rows() -> None:
+    """Without a measurement: the integer kernel for decode-sized steps, tiles and
+    the float GEMM beyond (a step of 9 rows takes the bucket of 16)."""
+    kernels = layers.default_kernels()
+    assert [kernels[layers.bucket_index(r)] for r in (1, 3, 8, 9, 300)] == [
+        "int",
+        "int",
+        "int",
+        "tiles",
+        "tiles",
+    ]
+    with pytest.raises(ValueError, match="kernels must name one of"):
+        GGUFLinear([("Q8_0", torch.zeros(2, 34, dtype=torch.uint8))], 32, None).set_kernels(
+            ("int",)
+        )
 
 
 def test_linear_of_parts_with_different_types() -> None:
@@ -97,7 +126,8 @@ def test_linear_of_parts_with_different_types() -> None:
     layer = GGUFLinear([("Q4_0", a), ("Q8_0", b)], 64, None)
     x = torch.randn(2, 64)
     weight = torch.cat((dequantize(a, "Q4_0"), dequantize(b, "Q8_0")))
-    _assert_rounding_close(layer(x), x @ weight.T, x, weight)
+    _assert_int8_close(layer(x), x @ weight.T, x, weight)  # the default at 2 rows
+    _assert_rounding_close(layer.run("float", x), x @ weight.T, x, weight)
     assert layer.out_features == 9
 
 
@@ -110,7 +140,7 @@ def test_embedding_dequantizes_the_rows_it_gathers() -> None:
     head = embed.as_linear()
     assert head.part0.data_ptr() == raw.data_ptr()  # the tied head shares the blocks
     x = torch.randn(2, 64)
-    _assert_rounding_close(head(x), x @ table.T, x, table)
+    _assert_rounding_close(head.run("float", x), x @ table.T, x, table)
 
 
 def test_unknown_type_is_an_error_naming_it() -> None:
@@ -119,13 +149,30 @@ def test_unknown_type_is_an_error_naming_it() -> None:
 
 
 def _assert_rounding_close(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rel: float = 1e-5,
+) -> None:
+    """Equal up to rounding of a sum in another order (`rel`: float32's few ulps, or
+    bfloat16's rounding of x and W): the error bound is relative to the sum of the
+    terms' magnitudes (|x| · |W|ᵀ), not to the result, which may cancel to near zero."""
+    bound = rel * (x.abs() @ weight.abs().T) + 1e-6
+    assert bool(((got - want).abs() <= bound).all()), (got - want).abs().max()
+
+
+def _assert_int8_close(
     got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 ) -> None:
-    """Equal up to float32 rounding of a sum in another order: the error bound is a
-    few ulps of the sum of the terms' magnitudes (|x| · |W|ᵀ), not of the result,
-    which may cancel to near zero."""
-    bound = 1e-5 * (x.abs() @ weight.abs().T) + 1e-6
+    """Within the integer kernel's rounding of x to int8 per 16 elements: x_i moves
+    by at most dx/2 = max|x_group| / 254, so the dot product by at most
+    Σ |w_i| · max|x_group(i)| / 254; plus float32 rounding (1e-4 of Σ |x_i w_i|)."""
+    amax = x.abs().reshape(x.shape[0], -1, 16).amax(dim=2)
+    step = amax.repeat_interleave(16, dim=1) / 254
+    bound = step @ weight.abs().T + 1e-4 * (x.abs() @ weight.abs().T) + 1e-6
     assert bool(((got - want).abs() <= bound).all()), (got - want).abs().max()
+    assert bool((bound < 0.05 * (x.abs() @ weight.abs().T) + 1e-5).all())  # not vacuous
 
 
 def _quantized_or_finite(qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -151,14 +198,9 @@ def _finite(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
 
 
 def test_the_portable_linear_path_forced_gives_the_same_results() -> None:
-    """`ASYNCLLM_KERNEL_ISA=portable` runs the fused GGUF kernel's plain path (this
-    machine's AVX2 path is the one the tests above run): the same checks, every
-    type, in a process of its own (the cap is read once)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    """`ASYNCLLM_KERNEL_ISA=portable` runs the GGUF kernels' plain paths (this
+    machine's vector paths are the ones the tests above run): the same checks,
+    every type, in a process of its own (the cap is read once)."""
     test = f"{__file__}::test_linear_equals_dequantize_then_float32_matmul"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
@@ -169,4 +211,75 @@ def test_the_portable_linear_path_forced_gives_the_same_results() -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:]
-    assert f"{3 * len(TYPES)} passed" in done.stdout, done.stdout[-1000:]
+    assert f"{3 * len(TYPES) * len(GGUF_KERNELS)} passed" in done.stdout, done.stdout[-1000:]
+
+
+# Prints the integer kernel's path and a digest of its outputs on fixed blocks.
+_INT_PROBE = """
+import hashlib, numpy as np
+from asyncllm import _core
+rng = np.random.default_rng(0)
+digest = hashlib.sha256()
+for qtype, size, scales in %r:
+    raw = rng.integers(0, 256, size=(21, 2 * size), dtype=np.uint8).reshape(-1, size)
+    for at in scales:
+        scale = rng.uniform(-0.05, 0.05, (len(raw), 1)).astype(np.float16)
+        raw[:, at : at + 2] = scale.view(np.uint8)
+    raw = raw.reshape(21, -1)
+    for m in (1, 5, 11):
+        x = rng.standard_normal((m, 512), dtype=np.float32)
+        out = np.empty((m, 21), np.float32)
+        _core._gguf_linear_int(qtype, out, x, raw, 2)
+        digest.update(out.tobytes())
+print(_core._gguf_int_isa(), digest.hexdigest())
+"""
+# (type, bytes per 256 elements, offsets of its f16 scales in those bytes)
+_INT_CASES = [
+    ("Q8_0", 272, [0, 34, 68, 102, 136, 170, 204, 238]),
+    ("Q4_0", 144, [0, 18, 36, 54, 72, 90, 108, 126]),
+    ("Q4_1", 160, [0, 2, 20, 22, 40, 42, 60, 62, 80, 82, 100, 102, 120, 122, 140, 142]),
+    ("Q5_0", 176, [0, 22, 44, 66, 88, 110, 132, 154]),
+    ("Q5_1", 192, [0, 2, 24, 26, 48, 50, 72, 74, 96, 98, 120, 122, 144, 146, 168, 170]),
+    ("Q4_K", 144, [0, 2]),
+    ("Q5_K", 176, [0, 2]),
+    ("Q6_K", 210, [208]),
+]
+
+
+def test_every_integer_path_forced_gives_the_same_bits() -> None:
+    """ASYNCLLM_KERNEL_ISA forces each integer path this CPU has (portable, avx2,
+    avxvnni, avx512vnni): each runs (it names itself) and gives the portable path's
+    outputs bit for bit on every block type (the lanes are exact integers and the
+    float steps the same; rust/kernels/gguf_simd.rs)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    wanted = {"portable": True, "avx2": " avx2 " in flags, "avxvnni": " avx_vnni " in flags}
+    wanted["avx512vnni"] = " avx512_vnni " in flags and " avx512vl " in flags
+    digests = {}
+    for isa, present in wanted.items():
+        if not present:
+            continue
+        done = subprocess.run(
+            [sys.executable, "-c", _INT_PROBE % (_INT_CASES,)],
+            env=dict(os.environ, ASYNCLLM_KERNEL_ISA=isa),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        name, digest = done.stdout.split()
+        assert name == isa
+        digests[isa] = digest
+    assert len(set(digests.values())) == 1, digests
+
+
+def test_integer_kernel_row_alone_equals_row_in_a_batch() -> None:
+    """A row's result from the integer kernel does not depend on the rows beside it
+    (rows share each unpacked block in groups of 8, 4, 2, 1; each row's arithmetic
+    is the same): what the batch-invariant mode relies on."""
+    raw = torch.from_numpy(_quantized_or_finite("Q4_K", 24, 512))
+    layer = GGUFLinear([("Q4_K", raw)], 512, None)
+    layer.set_kernels(("int",) * len(layer.kernels))
+    x = torch.randn(11, 512)
+    batch = layer(x)
+    for i in (0, 7, 10):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])

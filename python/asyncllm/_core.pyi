@@ -552,6 +552,21 @@ def _gguf_linear(qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_thre
     shape, before writing. Private: the one caller (asyncllm.models.gguf.layers)
     promises no thread writes w or out meanwhile."""
 
+def _gguf_linear_int(
+    qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int
+) -> None:
+    """As `_gguf_linear`, for the block types only (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K): x rounded to int8 with a scale per 16 elements (as
+    llama.cpp's Q8 activations, whose scales are per 32) and integer dot products
+    with the blocks (rust/kernels/gguf_int.rs), within |w| . max|x_group| / 254 per
+    term of dequantize + float32. Raises ValueError on
+    another type or a wrong shape, before writing. Private: the same one caller."""
+
+def _gguf_int_isa() -> str:
+    """The path `_gguf_linear_int` runs on this CPU: "portable", "avx2", "avxvnni"
+    or "avx512vnni", within the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx512vnni",
+    "avx512", "avxvnni", "avx2", "portable"; "avx512" allows up to "avxvnni")."""
+
 def _linear_isa() -> str:
     """The variant `_linear` runs on this CPU: "portable", "avx2" or "avx512", within
     the cap of $ASYNCLLM_KERNEL_ISA ("auto", "avx512", "avx2", "portable")."""

@@ -91,6 +91,14 @@ def linear_kernel() -> str:
     return os.environ.get("ASYNCLLM_LINEAR_KERNEL", "").strip().lower() or "auto"
 
 
+def gguf_kernel() -> str:
+    """ASYNCLLM_GGUF_KERNEL (default "auto"): the kernel of every GGUF linear layer
+    at every row count, "int", "float" (the float-activation reference), "tiles" or
+    "tiles_bf16" (asyncllm.models.gguf.layers), or "auto" (measured at load).
+    Checked by asyncllm.worker.gguf_select."""
+    return os.environ.get("ASYNCLLM_GGUF_KERNEL", "").strip().lower() or "auto"
+
+
 def batch_invariant() -> bool:
     """ASYNCLLM_BATCH_INVARIANT (default off; vLLM's VLLM_BATCH_INVARIANT): the
     default of `EngineArgs.batch_invariant`."""

@@ -6,8 +6,10 @@
 //!
 //! `ASYNCLLM_KERNEL_ISA` caps the instruction set the kernel picks, read once:
 //! `portable` (no SIMD intrinsics, what a CPU without AVX2 runs), `avx2`
-//! (AVX2 + FMA, no AVX-512), `avx512` (AVX-512F, not its BF16 extension), or `auto` / unset (the best the CPU has); so CI
-//! covers every variant on one machine.
+//! (AVX2 + FMA, no AVX-512), `avxvnni` (as `avx2`, and AVX-VNNI for the GGUF
+//! integer kernel), `avx512` (AVX-512F, not its BF16 extension), `avx512vnni`
+//! (as `avx512`, and AVX512-VNNI for the GGUF integer kernel), or `auto` / unset
+//! (the best the CPU has); so CI covers every variant on one machine.
 
 use std::sync::OnceLock;
 
@@ -44,6 +46,12 @@ pub(super) enum IsaCap {
     /// AVX-512 (F) for the kernels that have such a variant, but not its BF16
     /// extension: the attention kernel runs its AVX2 variant.
     Avx512,
+    /// AVX-VNNI (256-bit integer dot products) for the GGUF integer kernel; the
+    /// other kernels run as under `Avx2`.
+    AvxVnni,
+    /// AVX512-VNNI for the GGUF integer kernel; the other kernels run as under
+    /// `Avx512`.
+    Avx512Vnni,
     Auto,
 }
 
@@ -53,9 +61,11 @@ pub(super) fn isa_cap() -> Result<IsaCap, KernelError> {
         Ok("portable") => Ok(IsaCap::Portable),
         Ok("avx2") => Ok(IsaCap::Avx2),
         Ok("avx512") => Ok(IsaCap::Avx512),
+        Ok("avxvnni") => Ok(IsaCap::AvxVnni),
+        Ok("avx512vnni") => Ok(IsaCap::Avx512Vnni),
         Ok("auto") | Ok("") | Err(std::env::VarError::NotPresent) => Ok(IsaCap::Auto),
         Ok(other) => Err(format!(
-            "ASYNCLLM_KERNEL_ISA must be \"auto\", \"avx512\", \"avx2\" or \"portable\", got {other:?}"
+            "ASYNCLLM_KERNEL_ISA must be \"auto\", \"avx512vnni\", \"avx512\", \"avxvnni\", \"avx2\" or \"portable\", got {other:?}"
         )),
         Err(e) => Err(format!("ASYNCLLM_KERNEL_ISA: {e}")),
     })

@@ -199,7 +199,7 @@ fn q5_k(b: &[u8; 176], o: &mut [f32; QK_K]) {
 
 /// The eight 6-bit scales and mins packed in 12 bytes (Q4_K and Q5_K).
 #[inline(always)]
-fn scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub(super) fn scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for i in 0..4 {
         sc[i] = s[i] & 0x3f;

@@ -102,7 +102,8 @@ impl LinearIsa {
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
         {
-            if cap != IsaCap::Avx2 && is_x86_feature_detected!("avx512f") {
+            if !matches!(cap, IsaCap::Avx2 | IsaCap::AvxVnni) && is_x86_feature_detected!("avx512f")
+            {
                 if cap == IsaCap::Auto && is_x86_feature_detected!("avx512bf16") {
                     return Ok(LinearIsa::Avx512Bf16);
                 }

@@ -13,7 +13,10 @@ mod decode_layers;
 mod elementwise;
 mod exp;
 mod gguf;
+mod gguf_int;
+mod gguf_int_blocks;
 mod gguf_linear;
+mod gguf_simd;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_dpbf16;
@@ -29,12 +32,15 @@ mod tests;
 #[cfg(test)]
 mod tests_gguf;
 #[cfg(test)]
+mod tests_gguf_int;
+#[cfg(test)]
 mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
 pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
 pub use elementwise::{add_rms_norm, rms_norm};
 pub use gguf::{dequantize as gguf_dequantize, GgufType};
+pub use gguf_int::{gguf_int_isa, gguf_linear_int};
 pub use gguf_linear::gguf_linear;
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use paged_attention::{

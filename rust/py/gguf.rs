@@ -102,7 +102,44 @@ fn gguf_linear(
         .map_err(|e| Error::from(e).into())
 }
 
+/// `out[m, n] = x[m, k] · dequantize(w)ᵀ` as `_gguf_linear`, for the block types
+/// (not F32/F16/BF16), with x rounded to int8 per 32-block and integer dot
+/// products (rust/kernels/gguf_int.rs). Private: same one caller, same contract.
+#[pyfunction(name = "_gguf_linear_int")]
+#[pyo3(signature = (qtype_name, out, x, w, num_threads))]
+fn gguf_linear_int(
+    py: Python<'_>,
+    qtype_name: &str,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    w: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let t = qtype(qtype_name)?;
+    let x = buffer::<f32>(x, "x", "float32", 2)?;
+    let (m, k) = (x.shape()[0], x.shape()[1]);
+    let x = x.to_vec(py)?;
+    let w = buffer::<u8>(w, "w", "uint8", 2)?;
+    let out = buffer::<f32>(out, "out", "float32", 2)?;
+    check_out(&out, &w)?;
+    // SAFETY: see `out_slice!`; the sole caller passes a tensor it has just allocated.
+    let out = unsafe { out_slice!(out) };
+    // SAFETY: the blocks are a model weight no thread writes during inference.
+    let w = unsafe { bytes(&w) };
+    py.detach(|| kernels::gguf_linear_int(t, m, k, &x, w, num_threads, out))
+        .map_err(|e| Error::from(e).into())
+}
+
+/// The path `_gguf_linear_int` runs ("portable", "avx2", "avxvnni",
+/// "avx512vnni"), after the cap of `ASYNCLLM_KERNEL_ISA`. Private: tests, benchmarks.
+#[pyfunction(name = "_gguf_int_isa")]
+fn gguf_int_isa() -> PyResult<&'static str> {
+    kernels::gguf_int_isa().map_err(|e| Error::from(e).into())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_dequantize, m)?)?;
-    m.add_function(wrap_pyfunction!(gguf_linear, m)?)
+    m.add_function(wrap_pyfunction!(gguf_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_linear_int, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_int_isa, m)?)
 }

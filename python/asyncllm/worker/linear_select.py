@@ -84,7 +84,7 @@ def select_linear_kernels(
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
-    cache = _DiskCache(num_threads)
+    cache = DiskCache(num_threads)
     chosen: dict[str, tuple[str, ...]] = {}
 
     def kernels_for(weight: torch.Tensor, bias: torch.Tensor | None, tied: bool) -> tuple[str, ...]:
@@ -143,7 +143,7 @@ def _forced(mode: str, weight: torch.Tensor, tied: bool) -> tuple[str, ...]:
     return (mode,) * len(BUCKETS)
 
 
-def _best_times(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+def best_times(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
     """Each candidate's best time over `REPS` rounds, the candidates alternating
     within a round so that load from elsewhere hits them alike (the best time is
     the one least disturbed: what the kernel does on this machine)."""
@@ -183,7 +183,7 @@ def _measure(
                 fns["onednn"] = partial(run_onednn, x, packed, bias)
             if rust_ok and rows <= RUST_MAX_ROWS:
                 fns["rust"] = partial(run_rust, x, w, bias, num_threads)
-            t = _best_times(fns)
+            t = best_times(fns)
             best.append(min(t.values()))
             plain.append(
                 min(((k, t[k]) for k in ("torch", "rust") if k in t), key=lambda kt: kt[1])
@@ -232,7 +232,7 @@ def cache_path() -> Path:
     return Path(base) / "asyncllm" / "linear-kernels.json"
 
 
-class _DiskCache:
+class DiskCache:
     """The choices of earlier starts on this machine: {cpu key: {shape key: kernels}}."""
 
     def __init__(self, num_threads: int) -> None:

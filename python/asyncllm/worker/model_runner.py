@@ -29,6 +29,7 @@ from asyncllm.models.loader import load_model
 from asyncllm.models.native_ops import use_native_ops
 from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
+from asyncllm.worker.gguf_select import select_gguf_kernels
 from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
@@ -99,6 +100,12 @@ class ModelRunner:
             batch_invariant=config.batch_invariant,
             num_threads=torch.get_num_threads(),
             prefer_plain=config.fused_decode and unsupported(self.model) is None,
+        )
+        self.gguf_kernels = select_gguf_kernels(
+            self.model,
+            batch_invariant=config.batch_invariant,
+            num_threads=torch.get_num_threads(),
+            dtype=config.torch_dtype,
         )
         # Phi-3's longrope rotates a whole sequence by its prompt's length.
         self._pass_prompt_lens = bool(getattr(self.model, "uses_prompt_lens", False))

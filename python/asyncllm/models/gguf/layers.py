@@ -1,17 +1,22 @@
 """Layers whose weights stay in GGUF blocks in memory.
 
-`GGUFLinear` computes `y = x Wᵀ + b` in one of two ways, both reading the blocks:
+`GGUFLinear` computes `y = x Wᵀ + b` with one of these kernels, all reading the
+blocks, chosen per bucket of rows (`linear_kernels.BUCKETS`; measured at load by
+`asyncllm.worker.gguf_select`, else `default_kernels`):
 
-    rows <= FUSED_MAX_ROWS (decode, on the CPU): the extension's `_gguf_linear`
-        decodes each weight row into a cache-resident buffer and dots it with every
-        row of x: the weight is read once per step, as blocks
-    otherwise: a tile of W's rows at a time is dequantized (float32, then x's
-        dtype) and the float GEMM runs on it, so the whole float weight never
-        exists at once and a tile stays in cache between the two
+    int     (decode, on the CPU) the extension's `_gguf_linear_int`: x rounded to
+            int8 per 16 elements, integer dot products with the blocks; the weight is
+            read once per step, as blocks (F32/F16/BF16 parts run `float`)
+    float   the extension's `_gguf_linear`: each weight row decoded into a
+            cache-resident buffer and dotted with every row of x in float32 (the
+            reference of the fast paths: float rounding of dequantize + fp32)
+    tiles   a tile of W's rows at a time dequantized (float32, then x's dtype) and
+            torch's GEMM on it, so the whole float weight never exists at once
+    tiles_bf16  the same with the tile and x in bfloat16 (the CPU's bf16 GEMM,
+            AMX where it has it), the output back in x's dtype
 
-Both are the checked path for every type (equal to dequantize + float32 matmul up
-to float rounding); faster integer kernels plug in as other forwards of the same
-layer and are tested against them.
+`int` differs from dequantize + fp32 by the int8 rounding of x (at most
+|w| · max|x_group| / 254 a term); the others by float rounding (bf16: of x and W).
 
 `GGUFEmbedding` gathers the rows of the tokens it is asked for and dequantizes
 only those. A tied LM head is a `GGUFLinear` over the embedding's very blocks.
@@ -19,21 +24,40 @@ only those. A tied LM head is a `GGUFLinear` over the embedding's very blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncllm import _core
 from asyncllm.models.gguf.dequant import BLOCK_SIZES, dequantize, row_bytes
+from asyncllm.models.linear_kernels import BUCKETS
 
 # Elements of W dequantized per tile: 4M float32 (16 MiB, transient), so a layer
 # of a small model is one tile and one GEMM. Smaller tiles (1 MiB, cache-resident)
 # measured 2.5x slower over SmolLM2's linears at 64 rows (Xeon VM, loaded): each
 # GEMM call costs a fixed price in thread wake-ups that many small ones multiply.
 TILE_ELEMENTS = 1 << 22
-# Up to this many rows the fused kernel runs (it does a dot product per weight row
-# and x row: past a few rows the GEMM on dequantized tiles is faster).
-FUSED_MAX_ROWS = 4
+GGUF_KERNELS = ("int", "float", "tiles", "tiles_bf16")
+# The block types the integer kernel reads.
+INT_TYPES = frozenset(BLOCK_SIZES) - {"F32", "F16", "BF16"}
+# Up to this many rows the matrix-vector kernels (int, float) are candidates: they
+# do a dot product per weight row and x row, without a GEMM's blocking.
+FUSED_MAX_ROWS = 16
+# Without a measurement: int up to this many rows, then tiles.
+DEFAULT_INT_ROWS = 8
+
+
+def default_kernels() -> tuple[str, ...]:
+    """The kernel per bucket when none was measured (tests, other devices)."""
+    return tuple("int" if rows <= DEFAULT_INT_ROWS else "tiles" for rows in BUCKETS)
+
+
+def bucket_index(rows: int) -> int:
+    """The bucket a step of `rows` rows takes: the first >= rows, else the last."""
+    return next((i for i, b in enumerate(BUCKETS) if rows <= b), len(BUCKETS) - 1)
 
 
 class GGUFLinear(nn.Module):
@@ -55,6 +79,13 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(raw.shape[0] for _, raw in parts)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.tile_rows = max(1, TILE_ELEMENTS // in_features)
+        self.kernels = default_kernels()
+
+    def set_kernels(self, kernels: tuple[str, ...]) -> None:
+        """One kernel of GGUF_KERNELS per bucket of BUCKETS."""
+        if len(kernels) != len(BUCKETS) or not set(kernels) <= set(GGUF_KERNELS):
+            raise ValueError(f"kernels must name one of {GGUF_KERNELS} per bucket {BUCKETS}")
+        self.kernels = tuple(kernels)
 
     def parts(self) -> list[tuple[str, torch.Tensor]]:
         return [(q, getattr(self, f"part{i}")) for i, q in enumerate(self.qtypes)]
@@ -65,29 +96,45 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        fused = rows.device.type == "cpu" and rows.shape[0] <= FUSED_MAX_ROWS
+        on_cpu = rows.device.type == "cpu"
+        out = self.run(self.kernels[bucket_index(rows.shape[0])] if on_cpu else "tiles", rows)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def run(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
+        """x · Wᵀ + b for `rows` [m, in] by `kernel` (one of GGUF_KERNELS; int and
+        float on the CPU only)."""
         outs = []
         for qtype, raw in self.parts():
-            if fused:
-                outs.append(_fused(qtype, rows, raw))
+            if kernel in ("int", "float"):
+                fn = _core._gguf_linear_int if kernel == "int" and qtype in INT_TYPES else None
+                outs.append(_fused(fn or _core._gguf_linear, qtype, rows, raw))
                 continue
+            dtype = torch.bfloat16 if kernel == "tiles_bf16" else rows.dtype
+            x = rows if rows.dtype == dtype else rows.to(dtype)
             for start in range(0, raw.shape[0], self.tile_rows):
                 w = dequantize(raw[start : start + self.tile_rows], qtype)
-                outs.append(F.linear(rows, w if rows.dtype == w.dtype else w.to(rows.dtype)))
+                outs.append(F.linear(x, w if x.dtype == w.dtype else w.to(dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if out.dtype != rows.dtype:
+            out = out.to(rows.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={self.qtypes}"
 
 
-def _fused(qtype: str, rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """x · Wᵀ by the extension's kernel on the blocks (float32 in and out)."""
+def _fused(
+    fn: Callable[[str, Any, Any, Any, int], None],
+    qtype: str,
+    rows: torch.Tensor,
+    raw: torch.Tensor,
+) -> torch.Tensor:
+    """x · Wᵀ by one of the extension's kernels on the blocks (float32 in and out)."""
     x = rows.float().contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
-    _core._gguf_linear(qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads())
+    fn(qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads())
     return out if rows.dtype == torch.float32 else out.to(rows.dtype)
 
 

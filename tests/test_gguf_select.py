@@ -1,0 +1,64 @@
+"""The GGUF layers' kernel choice at load (asyncllm.worker.gguf_select): measured per
+shape and bucket of rows and cached on disk, or forced by ASYNCLLM_GGUF_KERNEL or the
+batch-invariant mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from torch import nn
+
+from asyncllm.models.gguf.layers import FUSED_MAX_ROWS, GGUF_KERNELS, GGUFLinear
+from asyncllm.models.linear_kernels import BUCKETS
+from asyncllm.worker.gguf_select import select_gguf_kernels
+
+
+def _model() -> nn.Module:
+    rng = np.random.default_rng(0)
+    raw = quants.quantize(
+        rng.standard_normal((48, 64), dtype=np.float32), GGMLQuantizationType.Q4_1
+    )
+    blocks = torch.from_numpy(raw.view(np.uint8).reshape(48, -1))
+    model = nn.Module()
+    model.a = GGUFLinear([("Q4_1", blocks)], 64, None)
+    model.b = GGUFLinear([("Q4_1", blocks.clone())], 64, None)  # the same shape: one choice
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ASYNCLLM_GGUF_KERNEL", raising=False)
+
+
+def test_measured_choice_is_set_on_every_layer_and_cached(tmp_path: Path) -> None:
+    model = _model()
+    chosen = select_gguf_kernels(model, batch_invariant=False, num_threads=1, dtype=torch.float32)
+    assert list(chosen) == ["gguf:Q4_1:48x64:torch.float32"]
+    kernels = chosen["gguf:Q4_1:48x64:torch.float32"]
+    assert model.a.kernels == model.b.kernels == kernels
+    assert len(kernels) == len(BUCKETS) and set(kernels) <= set(GGUF_KERNELS)
+    # the matrix-vector kernels are candidates only up to FUSED_MAX_ROWS rows
+    for rows, kernel in zip(BUCKETS, kernels, strict=True):
+        assert rows <= FUSED_MAX_ROWS or kernel.startswith("tiles")
+    assert "gguf:Q4_1:48x64" in (tmp_path / "asyncllm" / "linear-kernels.json").read_text()
+    # a second start takes the cached choice
+    again = _model()
+    select_gguf_kernels(again, batch_invariant=False, num_threads=1, dtype=torch.float32)
+    assert again.a.kernels == kernels
+
+
+def test_forced_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    select_gguf_kernels(model, batch_invariant=True, num_threads=1, dtype=torch.float32)
+    assert model.a.kernels == ("int",) * len(BUCKETS)  # a row alone or in a batch: same bits
+    monkeypatch.setenv("ASYNCLLM_GGUF_KERNEL", "tiles_bf16")
+    select_gguf_kernels(model, batch_invariant=False, num_threads=1, dtype=torch.float32)
+    assert model.b.kernels == ("tiles_bf16",) * len(BUCKETS)
+    monkeypatch.setenv("ASYNCLLM_GGUF_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="ASYNCLLM_GGUF_KERNEL must be"):
+        select_gguf_kernels(model, batch_invariant=False, num_threads=1, dtype=torch.float32)
