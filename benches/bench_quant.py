@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_roofline import machine_header  # noqa: E402
 from compressed_checkpoint import write_compressed  # noqa: E402
-from quant_kernels import SHAPES, TYPES, kernel_rows  # noqa: E402
 from fetch_smollm2 import fetch  # noqa: E402
 from models import QUICK_HELP  # noqa: E402
+from quant_kernels import SHAPES, TYPES, kernel_rows  # noqa: E402
 
 from asyncllm import LLM, SamplingParams, _core  # noqa: E402
 from asyncllm.gguf_files import prepare_gguf  # noqa: E402
