@@ -43,8 +43,11 @@ def _perplexity(logprobs: list[float]) -> float:
 
 
 def test_prompt_logprobs_equal_transformers(
-    smollm2_gguf: Path, texts: list[dict[str, Any]]
+    smollm2_gguf: Path, texts: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On the reference kernel (float activations); the int8-activation kernels
+    are held to the perplexity bound below."""
+    monkeypatch.setenv("ASYNCLLM_GGUF_KERNEL", "float")
     got = _scores(smollm2_gguf, texts, dtype="float32")
     for text, scores in zip(texts, got, strict=True):
         worst = max(abs(a - b) for a, b in zip(scores, text["logprobs"], strict=True))
