@@ -208,13 +208,18 @@ def test_a_100000_part_message_is_refused_and_leaves_no_memory(server):
     async def run() -> None:
         for _ in range(2):  # warm-up: the parser's and allocator's first growth
             await post_json(server.port, "/v1/chat/completions", body)
-        before = resident_kib(server.proc.pid)
-        for _ in range(5):
-            reply = await post_json(server.port, "/v1/chat/completions", body)
-            assert reply.status == 400, reply.body
-            assert "at most 1024 items" in reply.error()["message"]
-        growth = (resident_kib(server.proc.pid) - before) / MiB
-        assert growth < 8, f"front end grew {growth:.1f} MiB"
+        # RSS after each round of 5: a leak grows every round; the allocator's one-off
+        # growth (arenas of threads that ran beside the first round on a loaded
+        # machine) shows once, so it is measured from the end of the first round
+        rss = []
+        for _ in range(4):
+            for _ in range(5):
+                reply = await post_json(server.port, "/v1/chat/completions", body)
+                assert reply.status == 400, reply.body
+                assert "at most 1024 items" in reply.error()["message"]
+            rss.append(resident_kib(server.proc.pid))
+        growth = (rss[-1] - rss[0]) / MiB
+        assert growth < 8, f"front end grew {growth:.1f} MiB over 15 requests ({rss} KiB)"
 
     asyncio.run(run())
 
