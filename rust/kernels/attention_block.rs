@@ -105,17 +105,17 @@ pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem>(
     let mut start = t0;
     while start < n {
         let run = S::LANES.min(n - start);
-        for t in start..start + run {
-            if let Some(next) = &next {
-                next.prefetch(t);
-            }
-        }
         for (g, qg) in q.chunks_exact(d).enumerate() {
             // SAFETY: every load reads LANES f32 (32 bf16) at c < full <= d of
             // a row of d (q's, q_bits', the key's); the ISA is the caller's.
             let lanes = unsafe {
                 let mut acc = [S::zero(); 16];
                 for (j, a) in acc.iter_mut().enumerate().take(run) {
+                    // the next block's row a token at a time, between this block's
+                    // dot products: a burst of every line overflows the miss queue
+                    if let (0, Some(next)) = (g, &next) {
+                        next.prefetch(start + j);
+                    }
                     let key = keys.row(start + j);
                     if dp {
                         let (qb, kb) = (q_bits[g * d..].as_ptr(), E::bits(key).unwrap_or(&[]));
