@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 
 use super::kernels::{buffer, byte_range, data_ptr};
 use crate::error::Error;
-use crate::kernels::{self, GgufType};
+use crate::kernels::{self, GgufType, KernelError};
 
 fn qtype(name: &str) -> PyResult<GgufType> {
     GgufType::from_name(name).map_err(|e| Error::from(e).into())
@@ -73,6 +73,36 @@ fn gguf_dequantize(
         .map_err(|e| Error::from(e).into())
 }
 
+/// The signature both GGUF matmul kernels share.
+type GgufKernel =
+    fn(GgufType, usize, usize, &[f32], &[u8], usize, &mut [f32]) -> Result<(), KernelError>;
+
+/// `out = x · dequantize(w)ᵀ` on `kernel`, after checking the buffers.
+#[allow(clippy::too_many_arguments)] // the call's operands and its kernel
+fn run_gguf_linear(
+    py: Python<'_>,
+    kernel: GgufKernel,
+    qtype_name: &str,
+    out: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    w: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let t = qtype(qtype_name)?;
+    let x = buffer::<f32>(x, "x", "float32", 2)?;
+    let (m, k) = (x.shape()[0], x.shape()[1]);
+    let x = x.to_vec(py)?;
+    let w = buffer::<u8>(w, "w", "uint8", 2)?;
+    let out = buffer::<f32>(out, "out", "float32", 2)?;
+    check_out(&out, &w)?;
+    // SAFETY: see `out_slice!`; the sole caller passes a tensor it has just allocated.
+    let out = unsafe { out_slice!(out) };
+    // SAFETY: the blocks are a model weight no thread writes during inference.
+    let w = unsafe { bytes(&w) };
+    py.detach(|| kernel(t, m, k, &x, w, num_threads, out))
+        .map_err(|e| Error::from(e).into())
+}
+
 /// `out[m, n] = x[m, k] · dequantize(w)ᵀ` for `w` uint8 [n, row_bytes] blocks of
 /// `qtype`: each weight row decoded once per call into a cache-resident buffer.
 /// Private: its one caller (`asyncllm.models.gguf.layers`) passes a tensor it
@@ -87,23 +117,11 @@ fn gguf_linear(
     w: &Bound<'_, PyAny>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let t = qtype(qtype_name)?;
-    let x = buffer::<f32>(x, "x", "float32", 2)?;
-    let (m, k) = (x.shape()[0], x.shape()[1]);
-    let x = x.to_vec(py)?;
-    let w = buffer::<u8>(w, "w", "uint8", 2)?;
-    let out = buffer::<f32>(out, "out", "float32", 2)?;
-    check_out(&out, &w)?;
-    // SAFETY: see `out_slice!`; the sole caller passes a tensor it has just allocated.
-    let out = unsafe { out_slice!(out) };
-    // SAFETY: the blocks are a model weight no thread writes during inference.
-    let w = unsafe { bytes(&w) };
-    py.detach(|| kernels::gguf_linear(t, m, k, &x, w, num_threads, out))
-        .map_err(|e| Error::from(e).into())
+    run_gguf_linear(py, kernels::gguf_linear, qtype_name, out, x, w, num_threads)
 }
 
 /// `out[m, n] = x[m, k] · dequantize(w)ᵀ` as `_gguf_linear`, for the block types
-/// (not F32/F16/BF16), with x rounded to int8 per 32-block and integer dot
+/// (not F32/F16/BF16), with x rounded to int8 per 16 values and integer dot
 /// products (rust/kernels/gguf_int.rs). Private: same one caller, same contract.
 #[pyfunction(name = "_gguf_linear_int")]
 #[pyo3(signature = (qtype_name, out, x, w, num_threads))]
@@ -115,19 +133,15 @@ fn gguf_linear_int(
     w: &Bound<'_, PyAny>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let t = qtype(qtype_name)?;
-    let x = buffer::<f32>(x, "x", "float32", 2)?;
-    let (m, k) = (x.shape()[0], x.shape()[1]);
-    let x = x.to_vec(py)?;
-    let w = buffer::<u8>(w, "w", "uint8", 2)?;
-    let out = buffer::<f32>(out, "out", "float32", 2)?;
-    check_out(&out, &w)?;
-    // SAFETY: see `out_slice!`; the sole caller passes a tensor it has just allocated.
-    let out = unsafe { out_slice!(out) };
-    // SAFETY: the blocks are a model weight no thread writes during inference.
-    let w = unsafe { bytes(&w) };
-    py.detach(|| kernels::gguf_linear_int(t, m, k, &x, w, num_threads, out))
-        .map_err(|e| Error::from(e).into())
+    run_gguf_linear(
+        py,
+        kernels::gguf_linear_int,
+        qtype_name,
+        out,
+        x,
+        w,
+        num_threads,
+    )
 }
 
 /// The path `_gguf_linear_int` runs ("portable", "avx2", "avxvnni",

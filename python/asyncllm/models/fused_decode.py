@@ -84,16 +84,13 @@ class FusedDecode:
         return cls(plan, model.rotary_emb, kv_caches, num_threads)
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        return (
-            meta.num_tokens <= MAX_ROWS and kv_caches is self.kv_caches and _rows(meta) is not None
-        )
+        return meta.num_tokens <= MAX_ROWS and kv_caches is self.kv_caches and _each_a_decode(meta)
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Every layer over `hidden` [m, hidden] (the embeddings, updated in place)."""
         rows = _rows(meta)
-        assert rows is not None
         cos_sin = self.rotary.cos_sin_cache.index_select(0, positions)
         self.plan.run(
             as_buffer(hidden),
@@ -105,20 +102,30 @@ class FusedDecode:
         return hidden
 
 
-def _rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each token's block table and seq_len when every token of the step attends as
-    a decode of its own: decodes, then tokens that attend token-wise (speculative
-    decoding's verifications: a request's last token and its drafts, each bounded
-    by its own position). The kernel writes every row's K/V before any row
-    attends, so each token sees the ones before it, as the torch path's do."""
-    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+def _each_a_decode(meta: AttentionMetadata) -> bool:
+    """Whether every token of the step attends as a decode of its own: decodes, then
+    tokens that attend token-wise (speculative decoding's verifications: a request's
+    last token and its drafts, each bounded by its own position). The kernel writes
+    every row's K/V before any row attends, so each token sees the ones before it,
+    as the torch path's do."""
     if meta.num_decodes == meta.num_tokens:
-        return None if tables is None or lens is None else (tables.numpy(), lens.numpy())
+        return meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     tw, spans = meta.token_wise, meta.token_wise_spans
-    if tw is None or spans is None or spans != len(meta.prefills):
-        return None  # prompt spans in the step (or batch-invariant prompts)
-    if meta.num_decodes + len(tw[1]) != meta.num_tokens:
-        return None
+    return (
+        tw is not None
+        and spans is not None
+        and spans == len(meta.prefills)  # no prompt spans (nor batch-invariant prompts)
+        and meta.num_decodes + len(tw[1]) == meta.num_tokens
+    )
+
+
+def _rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's block table and seq_len, for a step `_each_a_decode` accepted."""
+    tables, lens, tw = meta.decode_block_tables, meta.decode_seq_lens, meta.token_wise
+    if meta.num_decodes == meta.num_tokens:
+        assert tables is not None and lens is not None
+        return tables.numpy(), lens.numpy()
+    assert tw is not None
     if tables is None or lens is None or meta.num_decodes == 0:
         return tw[0].numpy(), tw[1].numpy()
     width = max(tables.shape[1], tw[0].shape[1])
