@@ -275,3 +275,35 @@ mod x86 {
         }
     }
 }
+
+/// Loop code written once over `Simd`, run in the variant `on_isa` picks: the
+/// elementwise kernels' one dispatch (each variant compiled with its features).
+pub(super) trait VectorBody {
+    fn run<S: Simd>(self);
+}
+
+/// Runs `body` compiled for `isa` (a `LinearIsa::detect` result, so the CPU has it).
+pub(super) fn on_isa<B: VectorBody>(isa: super::linear::LinearIsa, body: B) {
+    use super::linear::LinearIsa;
+    match isa {
+        LinearIsa::Portable => body.run::<Portable>(),
+        // SAFETY: `LinearIsa::detect` returns a variant only where the CPU has its
+        // features (AVX2 + FMA; AVX-512F for the AVX-512 ones).
+        #[cfg(target_arch = "x86_64")]
+        LinearIsa::Avx2 => unsafe { body_avx2(body) },
+        #[cfg(target_arch = "x86_64")]
+        LinearIsa::Avx512 | LinearIsa::Avx512Bf16 => unsafe { body_avx512(body) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn body_avx2<B: VectorBody>(body: B) {
+    body.run::<Avx2>()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+fn body_avx512<B: VectorBody>(body: B) {
+    body.run::<Avx512>()
+}

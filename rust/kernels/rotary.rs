@@ -10,7 +10,7 @@
 
 use super::elementwise::{on_rows, round, ITEM_ROWS};
 use super::linear::{Elem, LinearIsa};
-use super::linear_simd::{self as simd, Simd};
+use super::linear_simd::{on_isa, Simd, VectorBody};
 use super::KernelError;
 
 /// The sizes of one call: `x` holds rows of `row_len` whose first
@@ -66,58 +66,59 @@ pub fn rotary<E: Elem>(
                 .zip(sin.chunks(ITEM_ROWS * half)),
         );
     on_rows(items, num_threads, &|((out, x), (cos, sin))| {
-        rows_isa(isa, shape, x, cos, sin, out)
+        on_isa(
+            isa,
+            Rows {
+                s: shape,
+                x,
+                cos,
+                sin,
+                out,
+            },
+        )
     })
-}
-
-fn rows_isa<E: Elem>(isa: LinearIsa, s: RotaryShape, x: &[E], cos: &[E], sin: &[E], out: &mut [E]) {
-    match isa {
-        LinearIsa::Portable => rotate_rows::<simd::Portable, E>(s, x, cos, sin, out),
-        // SAFETY: `LinearIsa::detect` returns a variant only where the CPU has
-        // its features (AVX2 + FMA; AVX-512F for the AVX-512 ones).
-        #[cfg(target_arch = "x86_64")]
-        LinearIsa::Avx2 => unsafe { rows_avx2(s, x, cos, sin, out) },
-        #[cfg(target_arch = "x86_64")]
-        LinearIsa::Avx512 | LinearIsa::Avx512Bf16 => unsafe { rows_avx512(s, x, cos, sin, out) },
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn rows_avx2<E: Elem>(s: RotaryShape, x: &[E], cos: &[E], sin: &[E], out: &mut [E]) {
-    rotate_rows::<simd::Avx2, E>(s, x, cos, sin, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
-fn rows_avx512<E: Elem>(s: RotaryShape, x: &[E], cos: &[E], sin: &[E], out: &mut [E]) {
-    rotate_rows::<simd::Avx512, E>(s, x, cos, sin, out)
 }
 
 /// The rows of one item. `S` only selects the variant the loop is compiled in
 /// (products and sums are separate roundings, never fused, as torch's are).
-#[inline(always)]
-fn rotate_rows<S: Simd, E: Elem>(s: RotaryShape, x: &[E], cos: &[E], sin: &[E], out: &mut [E]) {
-    let (d, half) = (s.head_dim, s.head_dim / 2);
-    let rows = x
-        .chunks_exact(s.row_len)
-        .zip(out.chunks_exact_mut(s.heads * d))
-        .zip(cos.chunks_exact(half).zip(sin.chunks_exact(half)));
-    for ((x, out), (cos, sin)) in rows {
-        for (head, dst) in x[..s.heads * d]
-            .chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-        {
-            let (x1, x2) = head.split_at(half);
-            let (lo, hi) = dst.split_at_mut(half);
-            // Zipped, not indexed: no bounds checks in the way of vectorising.
-            let pairs = x1.iter().zip(x2).zip(cos.iter().zip(sin));
-            for ((lo, hi), ((a, b), (c, sn))) in lo.iter_mut().zip(hi.iter_mut()).zip(pairs) {
-                let (a, b, c, sn) = (a.to_f32(), b.to_f32(), c.to_f32(), sn.to_f32());
-                *lo = E::from_f32(round::<E>(a * c) - round::<E>(b * sn));
-                *hi = E::from_f32(round::<E>(b * c) + round::<E>(a * sn));
+struct Rows<'a, E> {
+    s: RotaryShape,
+    x: &'a [E],
+    cos: &'a [E],
+    sin: &'a [E],
+    out: &'a mut [E],
+}
+
+impl<E: Elem> VectorBody for Rows<'_, E> {
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let Rows {
+            s,
+            x,
+            cos,
+            sin,
+            out,
+        } = self;
+        let (d, half) = (s.head_dim, s.head_dim / 2);
+        let rows = x
+            .chunks_exact(s.row_len)
+            .zip(out.chunks_exact_mut(s.heads * d))
+            .zip(cos.chunks_exact(half).zip(sin.chunks_exact(half)));
+        for ((x, out), (cos, sin)) in rows {
+            for (head, dst) in x[..s.heads * d]
+                .chunks_exact(d)
+                .zip(out.chunks_exact_mut(d))
+            {
+                let (x1, x2) = head.split_at(half);
+                let (lo, hi) = dst.split_at_mut(half);
+                // Zipped, not indexed: no bounds checks in the way of vectorising.
+                let pairs = x1.iter().zip(x2).zip(cos.iter().zip(sin));
+                for ((lo, hi), ((a, b), (c, sn))) in lo.iter_mut().zip(hi.iter_mut()).zip(pairs) {
+                    let (a, b, c, sn) = (a.to_f32(), b.to_f32(), c.to_f32(), sn.to_f32());
+                    *lo = E::from_f32(round::<E>(a * c) - round::<E>(b * sn));
+                    *hi = E::from_f32(round::<E>(b * c) + round::<E>(a * sn));
+                }
             }
         }
     }
-    let _ = S::LANES;
 }

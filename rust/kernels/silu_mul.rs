@@ -12,7 +12,7 @@
 use super::elementwise::{on_rows, round, ITEM_ROWS};
 use super::exp;
 use super::linear::{Elem, LinearIsa};
-use super::linear_simd::{self as simd, Simd};
+use super::linear_simd::{on_isa, Simd, VectorBody};
 use super::KernelError;
 
 /// `out[r] = silu(gate_up[r][..inter]) * gate_up[r][inter..]` for every row `r`
@@ -42,39 +42,36 @@ pub fn silu_mul<E: Elem>(
 
 /// `silu_mul` of whole rows on the calling thread, in the variant of `isa`.
 pub(super) fn silu_mul_rows<E: Elem>(isa: LinearIsa, gate_up: &[E], inter: usize, out: &mut [E]) {
-    match isa {
-        LinearIsa::Portable => rows::<simd::Portable, E>(gate_up, inter, out),
-        // SAFETY: `LinearIsa::detect` returns a variant only where the CPU has
-        // its features (AVX2 + FMA; AVX-512F for the AVX-512 ones).
-        #[cfg(target_arch = "x86_64")]
-        LinearIsa::Avx2 => unsafe { rows_avx2(gate_up, inter, out) },
-        #[cfg(target_arch = "x86_64")]
-        LinearIsa::Avx512 | LinearIsa::Avx512Bf16 => unsafe { rows_avx512(gate_up, inter, out) },
-    }
+    on_isa(
+        isa,
+        Rows {
+            gate_up,
+            inter,
+            out,
+        },
+    )
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn rows_avx2<E: Elem>(gate_up: &[E], inter: usize, out: &mut [E]) {
-    rows::<simd::Avx2, E>(gate_up, inter, out)
+struct Rows<'a, E> {
+    gate_up: &'a [E],
+    inter: usize,
+    out: &'a mut [E],
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
-fn rows_avx512<E: Elem>(gate_up: &[E], inter: usize, out: &mut [E]) {
-    rows::<simd::Avx512, E>(gate_up, inter, out)
-}
-
-#[inline(always)]
-fn rows<S: Simd, E: Elem>(gate_up: &[E], inter: usize, out: &mut [E]) {
-    for (row, dst) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
-        let (gate, up) = row.split_at(inter);
-        for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
-            let silu = round::<E>(exp::silu::<S>(g.to_f32()));
-            *d = E::from_f32(silu * u.to_f32());
+impl<E: Elem> VectorBody for Rows<'_, E> {
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let inter = self.inter;
+        for (row, dst) in self
+            .gate_up
+            .chunks_exact(2 * inter)
+            .zip(self.out.chunks_exact_mut(inter))
+        {
+            let (gate, up) = row.split_at(inter);
+            for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
+                let silu = round::<E>(exp::silu::<S>(g.to_f32()));
+                *d = E::from_f32(silu * u.to_f32());
+            }
         }
     }
 }
