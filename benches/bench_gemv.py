@@ -68,7 +68,7 @@ def main() -> None:
         tdtype = getattr(torch, dtype)
         size = n * k * torch.empty((), dtype=tdtype).element_size()
         ring = [torch.randn(n, k, dtype=tdtype) for _ in range(max(2, total // size))]
-        packed = [pack_onednn(w) for w in ring] if onednn_available() else []
+        packed = [pack_onednn(w) for w in ring] if onednn_available(tdtype) else []
         flat = torch.ones(len(ring) * size // 4).numpy()
         for rows in args.rows:
             x = torch.randn(rows, k, dtype=tdtype)

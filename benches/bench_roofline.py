@@ -91,7 +91,7 @@ def gemm_time(m: int, k: int, n: int, dtype: torch.dtype, reps: int) -> float:
     x = torch.randn(m, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
     best = best_time(lambda: F.linear(x, w), reps)
-    if onednn_available():
+    if onednn_available(dtype):
         packed = pack_onednn(w)
         best = min(best, best_time(lambda: run_onednn(x, packed, None), reps))
     if m <= RUST_MAX_ROWS:

@@ -74,7 +74,7 @@ def bf16_best(n: int, k: int, rows: int, total: int, rounds: int) -> tuple[float
     ring = [torch.randn(n, k).to(torch.bfloat16) for _ in range(max(2, total // (2 * n * k)))]
     x = torch.randn(rows, k).to(torch.bfloat16)
     fns = {"F.linear": (lambda w: F.linear(x, w), ring)}
-    if onednn_available():
+    if onednn_available(torch.bfloat16):
         packed = [pack_onednn(w) for w in ring]
         fns["onednn"] = (lambda p: run_onednn(x, p, None), packed)
     times: dict[str, list[float]] = {name: [] for name in fns}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 import torch
@@ -39,11 +39,24 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RUST_MAX_ROWS = 16
 
 
-def onednn_available() -> bool:
-    """Whether this torch build has the oneDNN linear ops (CPU builds of 2.x do)."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
+@cache
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and this CPU run the oneDNN linear ops in `dtype`.
+
+    CPU builds of torch 2.x have them, but oneDNN's bf16 reorder refuses a CPU
+    without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT (an AVX2-only EPYC, say): a tiny
+    reorder and product, tried once per dtype, tell."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    try:
+        with torch.inference_mode():
+            packed = pack_onednn(torch.zeros(8, 8, dtype=dtype))
+            run_onednn(torch.zeros(1, 8, dtype=dtype), packed, None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:

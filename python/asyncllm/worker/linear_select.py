@@ -136,7 +136,7 @@ def describe_kernels(kernels: tuple[str, ...]) -> str:
 
 
 def _forced(mode: str, weight: torch.Tensor, tied: bool) -> tuple[str, ...]:
-    if mode == "onednn" and (tied or not onednn_available()):
+    if mode == "onednn" and (tied or not onednn_available(weight.dtype)):
         mode = "torch"  # a tied head keeps the embedding's layout
     if mode == "rust" and not rust_supports(weight):
         mode = "torch"
@@ -167,7 +167,7 @@ def _measure(
 ) -> tuple[str, ...]:
     """The kernels per bucket for this weight, by timing each on it."""
     w = weight.detach()
-    packed = pack_onednn(w) if onednn_available() and not tied else None
+    packed = pack_onednn(w) if onednn_available(w.dtype) and not tied else None
     rust_ok = rust_supports(w)
     plain: list[tuple[str, float]] = []
     onednn: list[float] = []
