@@ -185,8 +185,9 @@ def test_every_isa_path_forced_gives_the_torch_paths_logits(isa: str) -> None:
     flags = _cpu_flags()
     if needs and not flags:
         pytest.skip("no /proc/cpuinfo: cannot tell which ISA this CPU has")
-    if any(f not in flags for f in needs):
-        pytest.skip(f"this CPU lacks {needs}")
+    missing = [f for f in needs if f not in flags]
+    if missing:
+        pytest.skip(f"this CPU lacks {missing}")
     test = f"{__file__}::test_fused_decode_gives_the_torch_paths_logits[qwen2-bfloat16]"
     done = subprocess.run(
         [sys.executable, "-c", _ISA_CHECK, test],
