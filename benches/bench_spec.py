@@ -17,7 +17,8 @@ per-round ratios on / off, the share of tokens identical to decoding without
 speculation, greedy and seeded (the default mode, not batch-invariant: a k + 1-row
 forward may round differently), the acceptance rate (accepted / proposed draft
 tokens), the mean accepted length (1 + accepted per draft) and the acceptance per
-draft position. The suffix engine starts afresh for every cell (workload, streams,
+draft position. Every engine is warmed up on a short unrelated prompt first. The
+suffix engine starts afresh (and is warmed up) for every cell (workload, streams,
 sampling, round): its shared outputs are only those of the cell's own requests,
 never the same prompt's answer from an earlier cell.
 
@@ -144,9 +145,16 @@ def main() -> None:
         path, dtype = str(dense_checkpoint(prepare_gguf(Path(path)), Path(mkdtemp()))), "bfloat16"
     common = {"model": path, "dtype": dtype, "max_model_len": 1024, "max_num_seqs": 32}
     methods = args.methods.split(",")
-    engines = {"off": LLM(**common)}
-    for m in methods:
-        engines[m] = LLM(**common, speculative_config=spec_config(m, args.k))
+
+    def start(method: str) -> LLM:
+        """An engine, warmed up (its first steps pay one-off costs) on a prompt
+        unlike the workloads'."""
+        spec = None if method == "off" else spec_config(method, args.k)
+        llm = LLM(**common, speculative_config=spec)
+        llm.generate(["Hi"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        return llm
+
+    engines = {m: start(m) for m in ["off", *methods]}
     workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
     first = (0, next(iter(workloads)), streams[0], "greedy")
     rates: dict[tuple[str, int, str], dict[str, list[float]]] = {}
@@ -160,9 +168,7 @@ def main() -> None:
                     got = {}
                     if "suffix" in engines and (r, name, n, kind) != first:
                         engines["suffix"].shutdown()
-                        engines["suffix"] = LLM(
-                            **common, speculative_config=spec_config("suffix", args.k)
-                        )
+                        engines["suffix"] = start("suffix")
                     for engine, llm in engines.items():
                         before = spec_stats(llm) if engine != "off" else {}
                         rate, ids = run(llm, prompts, kind, args.tokens, n)

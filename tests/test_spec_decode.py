@@ -17,12 +17,16 @@ from asyncllm.config import EngineArgs
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler
+from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
-METHODS = [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")]
+# asyncllm-tiny drafting for itself (tests/test_spec_draft_model.py has the rest)
+DRAFT = {"method": "draft_model", "model": DEFAULT_MODEL, "num_speculative_tokens": 3}
+COPYING = [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")]
+METHODS = [*COPYING, pytest.param(DRAFT, id="draft_model")]
 
 # Text that repeats, so prompt lookup proposes (and the tiny model, which loops,
 # accepts); and text that does not.
@@ -199,6 +203,7 @@ def _params() -> list[SamplingParams]:
         SamplingParams(max_tokens=30, temperature=0, min_tokens=20),
         SamplingParams(max_tokens=30, temperature=0.7, seed=5, repetition_penalty=1.3),
         SamplingParams(max_tokens=20, temperature=0, structured_outputs=choice),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=11, n=2),
     ]
 
 
@@ -212,17 +217,15 @@ def _run(llm: LLM) -> list[tuple[list[int], str, str | None, Any]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [
         (
-            list(o.outputs[0].token_ids),
-            o.outputs[0].text,
-            o.outputs[0].finish_reason,
+            list(c.token_ids),
+            c.text,
+            c.finish_reason,
             None
-            if o.outputs[0].logprobs is None
-            else [
-                sorted((t, round(v.logprob, 4)) for t, v in d.items())
-                for d in o.outputs[0].logprobs
-            ],
+            if c.logprobs is None
+            else [sorted((t, round(v.logprob, 4)) for t, v in d.items()) for d in c.logprobs],
         )
         for o in outs
+        for c in o.outputs  # every completion of n > 1
     ]
 
 
@@ -276,7 +279,7 @@ def test_preemption_and_the_default_mode(baseline: list[Any], method: dict[str, 
     assert same >= 0.9 * total, (same, total)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", COPYING)
 def test_greedy_smollm2_equals_decoding_without_speculation(
     smollm2_gguf: Path, method: dict[str, Any]
 ) -> None:

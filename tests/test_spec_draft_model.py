@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from asyncllm import LLM, SamplingParams
 from asyncllm.config import EngineArgs
 from asyncllm.default_model import DEFAULT_MODEL, resolve_model
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, EngineStartupError
 
 TARGET = Path(resolve_model(DEFAULT_MODEL))
 PROMPTS = [
@@ -33,10 +33,8 @@ def _draft_config(path: Path, k: int = 4) -> dict[str, Any]:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
 
-@pytest.fixture(scope="module")
-def random_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _random_draft(path: Path, context: int = 512) -> Path:
     """A one-layer random-weight Llama with asyncllm-tiny's tokenizer."""
-    path = tmp_path_factory.mktemp("draft")
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=8192,
@@ -46,12 +44,17 @@ def random_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     shutil.copy(TARGET / "tokenizer.json", path / "tokenizer.json")
     return path
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _random_draft(tmp_path_factory.mktemp("draft"))
 
 
 def _run(spec: dict[str, Any] | None, **kwargs: Any) -> tuple[list[list[int]], Any]:
@@ -112,6 +115,12 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
         EngineArgs(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="config.json"):
         EngineArgs(speculative_config=_draft_config(tmp_path))
+
+
+def test_a_draft_shorter_than_max_model_len_is_refused(tmp_path: Path) -> None:
+    draft = _random_draft(tmp_path, context=128)
+    with pytest.raises(EngineStartupError, match="the draft model's context is 128"):
+        LLM(num_threads=1, max_model_len=256, speculative_config=_draft_config(draft))
 
 
 def test_a_gguf_draft(smollm2_gguf: Path) -> None:

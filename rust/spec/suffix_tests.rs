@@ -192,3 +192,16 @@ fn errors_name_the_problem() {
         Some(SuffixError::NoRow(0))
     );
 }
+
+#[test]
+fn a_row_whose_drafts_are_rejected_stops_proposing_for_a_while() {
+    let mut p = SuffixProposer::new(1, config(8, 0, 0)).unwrap();
+    p.add(0, 0, &[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 10).unwrap();
+    let mut out = Vec::new();
+    assert_eq!(p.step(0, &[], 0, 0, 2, &mut out).unwrap(), 2);
+    // rejected outright: the next step proposes nothing, the one after again
+    assert_eq!(p.step(0, &[], 2, 0, 2, &mut out).unwrap(), 0);
+    assert_eq!(p.step(0, &[], 0, 0, 2, &mut out).unwrap(), 2);
+    // an accepted token keeps it proposing
+    assert_eq!(p.step(0, &[], 2, 1, 2, &mut out).unwrap(), 2);
+}

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
 from asyncllm.models.attention import build_attention_metadata
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.models.loader import load_model
@@ -40,9 +41,15 @@ class DraftModel:
     ) -> None:
         self.device = config.torch_device
         self.block_size = config.block_size
-        self.model: Any = load_model(
-            path, load_hf_config(path), config.torch_dtype, self.device, None
-        )
+        hf_config = load_hf_config(path)
+        context = getattr(hf_config, "max_position_embeddings", None)
+        if isinstance(context, int) and context < config.max_model_len:
+            raise ConfigError(
+                f"EngineArgs.speculative_config['model']={path!r} is invalid with "
+                f"max_model_len={config.max_model_len}: the draft model's context is "
+                f"{context} positions; lower max_model_len or use a draft with a longer one"
+            )
+        self.model: Any = load_model(path, hf_config, config.torch_dtype, self.device, None)
         use_native_ops(self.model)
         self.kv_caches = allocate_kv_caches(config, self.model, num_blocks)
         # the draft may pad its vocabulary: it proposes only the target's tokens
