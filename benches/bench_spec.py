@@ -1,18 +1,27 @@
-"""Speculative decoding (n-gram prompt lookup) against none, on SmolLM2-135M-Instruct
-(its GGUF, Q4_1): tokens/s and acceptance on an editing workload, where the answer
-copies most of the prompt, and on open-ended chat, where nothing is there to copy.
+"""Speculative decoding (n-gram prompt lookup, SuffixDecoding) against none, on
+SmolLM2-135M-Instruct (its GGUF, Q4_1): tokens/s and acceptance on an editing
+workload, where the answer copies most of the prompt; on a common-answer workload,
+where requests ask the same question in other words and the answers repeat each
+other more than their prompts; and on open-ended chat, where nothing is there to
+copy.
 
     python benches/bench_spec.py [--rounds 3] [--tokens 96] [--streams 1,16] [--k 4]
-                                 [--weights gguf|bf16]
+                                 [--weights gguf|bf16] [--methods ngram,suffix]
+                                 [--workloads editing,common answer,open chat]
 
-Both engines are started once and alternate round by round; each round runs every
-workload at each stream count, greedy (temperature 0) and sampled (temperature 0.7,
-top_p 0.95, a seed per request), `--tokens` new tokens per request. Reported: the
-median tokens/s of each engine, the median of the per-round ratios on / off, the
-share of tokens identical to decoding without speculation, greedy and seeded (the
-default mode, not batch-invariant: a k + 1-row forward may round differently), the acceptance
-rate (accepted / proposed draft tokens), the mean accepted length (1 + accepted per
-draft) and the acceptance per draft position.
+The engines (off and one per method) are started once and alternate round by
+round; each round runs every workload at each stream count, greedy (temperature 0)
+and sampled (temperature 0.7, top_p 0.95, a seed per request), `--tokens` new
+tokens per request. Reported: the median tokens/s of each engine, the median of the
+per-round ratios on / off, the share of tokens identical to decoding without
+speculation, greedy and seeded (the default mode, not batch-invariant: a k + 1-row
+forward may round differently), the acceptance rate (accepted / proposed draft
+tokens), the mean accepted length (1 + accepted per draft) and the acceptance per
+draft position. Every engine is warmed up first (`--tokens` tokens at each stream
+count, on a prompt unlike the workloads'). The suffix engine starts afresh (and is
+warmed up) for every cell (workload, streams, sampling, round): its shared outputs
+are those of the cell's own requests and the warm-up's, never the same prompt's
+answer from an earlier cell.
 
 The issue's targets: editing >= 2.0x at 1 stream and >= 1.3x at 16; open-ended
 chat >= 0.97x at both.
@@ -62,7 +71,12 @@ CHAT = [
     "Why is the sky blue? Explain it to a child.",
     "Write a short poem about autumn leaves.",
 ]
-WORKLOADS = {"editing": EDIT, "open chat": CHAT}
+COMMON = [
+    "How do I reset my password? Answer in three short steps.",
+    "I forgot my password. How do I reset it? Answer in three short steps.",
+    "Please tell me how to reset my password, in three short steps.",
+]
+WORKLOADS = {"editing": EDIT, "common answer": COMMON, "open chat": CHAT}
 SPEC_KEYS = (
     "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens",
@@ -114,6 +128,8 @@ def main() -> None:
         default="gguf",
         help="the GGUF (Q4_1, float32 activations) or its weights dequantized to bf16",
     )
+    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated methods")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     ap.add_argument("--quick", action="store_true", help="1 round, 16 tokens, 1 stream")
     args = ap.parse_args()
     if args.quick:
@@ -128,33 +144,57 @@ def main() -> None:
         from asyncllm.gguf_files import prepare_gguf
 
         path, dtype = str(dense_checkpoint(prepare_gguf(Path(path)), Path(mkdtemp()))), "bfloat16"
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
-            "prompt_lookup_max": 5}  # fmt: skip
     common = {"model": path, "dtype": dtype, "max_model_len": 1024, "max_num_seqs": 32}
-    engines = {"off": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
+    methods = args.methods.split(",")
+
+    def start(method: str) -> LLM:
+        """An engine, warmed up (its first steps pay one-off costs) at every stream
+        count on a prompt unlike the workloads'."""
+        spec = None if method == "off" else spec_config(method, args.k)
+        llm = LLM(**common, speculative_config=spec)
+        warm = SamplingParams(max_tokens=args.tokens, temperature=0)
+        for n in streams:
+            llm.generate(["Count from one to thirty in words."] * n, warm, use_tqdm=False)
+        return llm
+
+    engines = {m: start(m) for m in ["off", *methods]}
+    workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
+    first = (0, next(iter(workloads)), streams[0], "greedy")
     rates: dict[tuple[str, int, str], dict[str, list[float]]] = {}
-    same: dict[tuple[str, int, str], list[int]] = {}
-    accept: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    same: dict[tuple[str, int, str, str], list[int]] = {}
+    accept: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
     for r in range(args.rounds):
-        for name, prompts in WORKLOADS.items():
+        for name, prompts in workloads.items():
             for n in streams:
                 for kind in ("greedy", "sampled"):
                     key = (name, n, kind)
                     got = {}
+                    if "suffix" in engines and (r, name, n, kind) != first:
+                        engines["suffix"].shutdown()
+                        engines["suffix"] = start("suffix")
                     for engine, llm in engines.items():
-                        before = spec_stats(llm) if engine == "ngram" else {}
+                        before = spec_stats(llm) if engine != "off" else {}
                         rate, ids = run(llm, prompts, kind, args.tokens, n)
                         rates.setdefault(key, {}).setdefault(engine, []).append(rate)
                         got[engine] = ids
-                        if engine == "ngram":
-                            after = spec_stats(llm)
-                            accept.setdefault(key, []).append(delta(before, after))
+                        if engine != "off":
+                            accept.setdefault((*key, engine), []).append(
+                                delta(before, spec_stats(llm))
+                            )
                     if r == 0:
-                        same[key] = identical(got["off"], got["ngram"])
+                        for m in methods:
+                            same[(*key, m)] = identical(got["off"], got[m])
                     print(r, key, {e: f"{v[-1]:.1f}" for e, v in rates[key].items()}, flush=True)
     for llm in engines.values():
         llm.shutdown()
-    report(rates, accept, same)
+    report(rates, accept, same, methods)
+
+
+def spec_config(method: str, k: int) -> dict[str, Any]:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5}  # fmt: skip
+    return {"method": method, "num_speculative_tokens": k}
 
 
 def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -178,30 +218,32 @@ def identical(a: list[list[int]], b: list[list[int]]) -> list[int]:
 
 def report(
     rates: dict[tuple[str, int, str], dict[str, list[float]]],
-    accept: dict[tuple[str, int, str], list[dict[str, Any]]],
-    same: dict[tuple[str, int, str], list[int]],
+    accept: dict[tuple[str, int, str, str], list[dict[str, Any]]],
+    same: dict[tuple[str, int, str, str], list[int]],
+    methods: list[str],
 ) -> None:
     print(
-        "\n| workload | streams | sampling | off tok/s | ngram tok/s | ngram / off "
+        "\n| workload | streams | sampling | method | off tok/s | on tok/s | on / off "
         "| acceptance | mean accepted length | accepted per position | identical tokens |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|---:|")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|")
     for (name, n, kind), by in rates.items():
-        off, on = by["off"], by["ngram"]
-        ratio = median(b / a for a, b in zip(off, on, strict=True))
-        acc = accept[(name, n, kind)]
-        drafts = sum(a["spec_decode_num_drafts"] for a in acc)
-        proposed = sum(a["spec_decode_num_draft_tokens"] for a in acc)
-        accepted = sum(a["spec_decode_num_accepted_tokens"] for a in acc)
-        per_pos = [sum(a["per_pos"][i] for a in acc) for i in range(len(acc[0]["per_pos"]))]
-        rate = accepted / proposed if proposed else 0.0
-        mean_len = 1 + accepted / drafts if drafts else 1.0
-        pos = " ".join(f"{p / drafts:.2f}" if drafts else "-" for p in per_pos)
-        s, t = same[(name, n, kind)]
-        print(
-            f"| {name} | {n} | {kind} | {median(off):.1f} | {median(on):.1f} | {ratio:.2f} "
-            f"| {rate:.2f} | {mean_len:.2f} | {pos} | {s / t:.3f} |"
-        )
+        for m in methods:
+            off, on = by["off"], by[m]
+            ratio = median(b / a for a, b in zip(off, on, strict=True))
+            acc = accept[(name, n, kind, m)]
+            drafts = sum(a["spec_decode_num_drafts"] for a in acc)
+            proposed = sum(a["spec_decode_num_draft_tokens"] for a in acc)
+            accepted = sum(a["spec_decode_num_accepted_tokens"] for a in acc)
+            per_pos = [sum(a["per_pos"][i] for a in acc) for i in range(len(acc[0]["per_pos"]))]
+            rate = accepted / proposed if proposed else 0.0
+            mean_len = 1 + accepted / drafts if drafts else 1.0
+            pos = " ".join(f"{p / drafts:.2f}" if drafts else "-" for p in per_pos)
+            s, t = same[(name, n, kind, m)]
+            print(
+                f"| {name} | {n} | {kind} | {m} | {median(off):.1f} | {median(on):.1f} "
+                f"| {ratio:.2f} | {rate:.2f} | {mean_len:.2f} | {pos} | {s / t:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram): its configuration, the scheduler's draft
+"""Speculative decoding (n-gram and suffix): its configuration, the scheduler's draft
 budget and rollback, and outputs token for token those of decoding without it
 (greedy, seeded and unseeded sampling, logprobs, stop strings, max_tokens cut
 mid-draft, min_tokens, penalties, structured output, preemption)."""
@@ -17,10 +17,16 @@ from asyncllm.config import EngineArgs
 from asyncllm.core.kv_cache_manager import KVCacheManager
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler
+from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+# asyncllm-tiny drafting for itself (tests/test_spec_draft_model.py has the rest)
+DRAFT = {"method": "draft_model", "model": DEFAULT_MODEL, "num_speculative_tokens": 3}
+COPYING = [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")]
+METHODS = [*COPYING, pytest.param(DRAFT, id="draft_model")]
 
 # Text that repeats, so prompt lookup proposes (and the tiny model, which loops,
 # accepts); and text that does not.
@@ -40,7 +46,12 @@ PROMPTS = [
     ("config", "message"),
     [
         ({"method": "eagle", "num_speculative_tokens": 2}, "'method'"),
-        ({"method": "suffix", "num_speculative_tokens": 2}, "suffix is not implemented"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "medusa is not implemented"),
+        ({"method": "suffix", "prompt_lookup_min": 2}, "absent with method 'suffix'"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "[2, 64]"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "cached_requests"),
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "'num_speculative_tokens']=0"),
         ({"method": "ngram", "num_speculative_tokens": 99}, "[1, 32]"),
@@ -85,6 +96,20 @@ def test_cli_flag_takes_json_and_fills_defaults() -> None:
     assert EngineArgs.from_json(args.to_json()).speculative_config == args.speculative_config
     # overlap scheduling's "auto" is off with speculation, even on CUDA
     assert args.async_scheduling is None
+
+
+def test_suffix_takes_vllm_names_and_defaults() -> None:
+    args = EngineArgs(speculative_config='{"method": "suffix"}')
+    assert args.speculative_config == {
+        "method": "suffix",
+        "num_speculative_tokens": 24,  # the tree depth, as vLLM
+        "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_cached_requests": 10000,
+        "suffix_decoding_max_cached_tokens": 65536,
+        "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1,
+    }
+    assert EngineArgs.from_json(args.to_json()).speculative_config == args.speculative_config
 
 
 # -- the scheduler -------------------------------------------------------------------
@@ -178,6 +203,7 @@ def _params() -> list[SamplingParams]:
         SamplingParams(max_tokens=30, temperature=0, min_tokens=20),
         SamplingParams(max_tokens=30, temperature=0.7, seed=5, repetition_penalty=1.3),
         SamplingParams(max_tokens=20, temperature=0, structured_outputs=choice),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=11, n=2),
     ]
 
 
@@ -191,17 +217,15 @@ def _run(llm: LLM) -> list[tuple[list[int], str, str | None, Any]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [
         (
-            list(o.outputs[0].token_ids),
-            o.outputs[0].text,
-            o.outputs[0].finish_reason,
+            list(c.token_ids),
+            c.text,
+            c.finish_reason,
             None
-            if o.outputs[0].logprobs is None
-            else [
-                sorted((t, round(v.logprob, 4)) for t, v in d.items())
-                for d in o.outputs[0].logprobs
-            ],
+            if c.logprobs is None
+            else [sorted((t, round(v.logprob, 4)) for t, v in d.items()) for d in c.logprobs],
         )
         for o in outs
+        for c in o.outputs  # every completion of n > 1
     ]
 
 
@@ -211,10 +235,15 @@ def baseline() -> Iterator[list[Any]]:
         yield _run(llm)
 
 
-def test_outputs_equal_decoding_without_speculation(baseline: list[Any]) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_outputs_equal_decoding_without_speculation(
+    baseline: list[Any], method: dict[str, Any]
+) -> None:
     """Batch-invariant mode: the same reduction order for 1 and k + 1 query rows,
     so every request (greedy, seeded and unseeded) gets the same tokens."""
-    with LLM(num_threads=1, batch_invariant=True, max_num_seqs=64, speculative_config=NGRAM) as llm:
+    with LLM(
+        num_threads=1, batch_invariant=True, max_num_seqs=64, speculative_config=method
+    ) as llm:
         got = _run(llm)
         stats: Any = llm.engine.call_utility("get_stats")
     assert got == baseline
@@ -225,7 +254,8 @@ def test_outputs_equal_decoding_without_speculation(baseline: list[Any]) -> None
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
 
 
-def test_preemption_and_the_default_mode(baseline: list[Any]) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_preemption_and_the_default_mode(baseline: list[Any], method: dict[str, Any]) -> None:
     """A KV pool too small for the batch (requests preempted and resumed, drafts
     dropped with them), in the default (not batch-invariant) mode, where a
     k + 1-row forward may round differently from a 1-row one: nearly every token
@@ -235,7 +265,7 @@ def test_preemption_and_the_default_mode(baseline: list[Any]) -> None:
         num_kv_blocks=10,
         max_model_len=128,
         max_num_seqs=64,
-        speculative_config=NGRAM,
+        speculative_config=method,
     ) as llm:
         got = _run(llm)
         stats: Any = llm.engine.call_utility("get_stats")
@@ -249,7 +279,10 @@ def test_preemption_and_the_default_mode(baseline: list[Any]) -> None:
     assert same >= 0.9 * total, (same, total)
 
 
-def test_greedy_smollm2_equals_decoding_without_speculation(smollm2_gguf: Path) -> None:
+@pytest.mark.parametrize("method", COPYING)
+def test_greedy_smollm2_equals_decoding_without_speculation(
+    smollm2_gguf: Path, method: dict[str, Any]
+) -> None:
     """The real model (GGUF Q4_1), copying a given text: identical greedy output."""
     text = (
         "def area(width, height):\n    result = width * height\n    return result\n\n"
@@ -258,7 +291,7 @@ def test_greedy_smollm2_equals_decoding_without_speculation(smollm2_gguf: Path) 
     messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{text}"}]
     params = SamplingParams(max_tokens=64, temperature=0)
     outs = []
-    for spec in (None, NGRAM):
+    for spec in (None, method):
         with LLM(
             model=str(smollm2_gguf),
             dtype="float32",
@@ -317,3 +350,32 @@ def test_verification_runs_fused_and_equals_plain_decoding(monkeypatch: pytest.M
             ]
     assert outs[False] == outs[True]
     assert max(rows) > 1, "no verification step ran fused"
+
+
+def test_suffix_drafts_an_answer_other_requests_gave() -> None:
+    """SuffixDecoding's shared trie: a request whose answer repeats earlier
+    requests' drafts it from their outputs from its first tokens on, which its
+    own prompt cannot offer; with sharing off (no cached requests) it cannot. The
+    tokens stay those of decoding without speculation."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = [PROMPTS[4]]  # nothing to copy from the prompt
+
+    def generate(llm: LLM) -> tuple[list[int], int]:
+        before: Any = llm.engine.call_utility("get_stats")
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        after: Any = llm.engine.call_utility("get_stats")
+        key = "spec_decode_num_accepted_tokens"
+        return list(out), after.get(key, 0) - before.get(key, 0)
+
+    with LLM(num_threads=1, batch_invariant=True) as llm:
+        want, _ = generate(llm)
+    accepted = {}
+    for cached in (0, 10):
+        spec = SUFFIX | {"suffix_decoding_max_cached_requests": cached}
+        with LLM(num_threads=1, batch_invariant=True, speculative_config=spec) as llm:
+            first, _ = generate(llm)
+            second, accepted[cached] = generate(llm)
+        assert first == want and second == want
+    # the repeat: most of the 39 tokens after the first come from accepted drafts
+    # (a draft is at most as long as its match, which starts at one token)
+    assert accepted[10] >= 25 and accepted[10] > accepted[0], accepted

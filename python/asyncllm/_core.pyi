@@ -726,6 +726,43 @@ class NgramProposer:
         proposal length and the proposals, concatenated."""
 
 @final
+class SuffixProposer:
+    """SuffixDecoding draft proposals for up to `num_rows` rows (rust/spec/suffix.rs):
+    suffix tries over each row's tokens and over recent requests' outputs (kept
+    until more than `max_cached_requests` requests or `max_cached_tokens` tokens,
+    oldest out first; 0 requests: no sharing), grown as tokens arrive; a draft is
+    the most frequent continuation, at most `max_spec_factor` times its match and
+    cut below `min_token_prob`. Every call does its work with the GIL released.
+    Raises ValueError naming a bad setting, row or array."""
+
+    def __new__(
+        cls,
+        num_rows: int,
+        max_tree_depth: int,
+        max_cached_requests: int,
+        max_cached_tokens: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+    ) -> Self: ...
+    def add(self, row: int, key: int, tokens: _Buffer, num_prompt: int) -> None:
+        """Start `row` for request `key` with its tokens so far (int32), the first
+        `num_prompt` of them its prompt (a resumed request replaces its kept copy)."""
+    def remove(self, row: int) -> None:
+        """`row`'s request left; its output stays shared until evicted."""
+    def step(
+        self,
+        rows: _Buffer,
+        new_offsets: _Buffer,
+        new_tokens: _Buffer,
+        drafted: _Buffer,
+        accepted: _Buffer,
+        max_drafts: _Buffer,
+    ) -> tuple[list[int], list[int]]:
+        """As `NgramProposer.step`."""
+    def cache_size(self) -> tuple[int, int]:
+        """(requests kept after they left, tokens) in the shared trie."""
+
+@final
 class Grammar:
     """A compiled constraint, shared by every request with the same one."""
 

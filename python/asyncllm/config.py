@@ -21,7 +21,7 @@ from asyncllm.config_rules import (
 from asyncllm.config_rules import fail as _fail
 from asyncllm.default_model import DEFAULT_MODEL, resolve_model
 from asyncllm.errors import ConfigError
-from asyncllm.spec_config import SpeculativeConfig
+from asyncllm.spec_config import SpeculativeConfig, check_draft_vocab
 
 if TYPE_CHECKING:
     import torch
@@ -171,7 +171,7 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         self.speculative_config = None if spec is None else spec.to_dict()
         if spec is not None:
-            _check_speculative(self)
+            _check_speculative(self, spec)
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -317,7 +317,7 @@ class EngineConfig:
         return torch.device(self.device)
 
 
-def _check_speculative(args: EngineArgs) -> None:
+def _check_speculative(args: EngineArgs, spec: SpeculativeConfig) -> None:
     """What speculative decoding does not run with: the fields that must change."""
     if args.async_scheduling:
         raise _fail(
@@ -330,6 +330,8 @@ def _check_speculative(args: EngineArgs) -> None:
         raise _fail("tensor_parallel_size", args.tensor_parallel_size, "1 with speculative_config")
     if args.executor == "null":
         raise _fail("executor", args.executor, "'torch' with speculative_config")
+    if spec.model is not None:
+        check_draft_vocab(args.tokenizer or args.model, spec.model)
 
 
 def _model_context_len(hf_config: Any) -> int | None:

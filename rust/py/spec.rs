@@ -1,5 +1,6 @@
-//! Python binding of the n-gram proposer (`crate::spec::ngram`): inputs copied
-//! with the GIL held, the index updated and the proposals made with it released.
+//! Python bindings of the proposers (`crate::spec::ngram`, `crate::spec::suffix`):
+//! inputs copied with the GIL held, the indexes updated and the proposals made
+//! with it released. Both take a step's rows in the same columns (`StepColumns`).
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -7,9 +8,10 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::kernels::buffer;
-use crate::spec::ngram::{NgramError, NgramProposer};
+use crate::spec::ngram::NgramProposer;
+use crate::spec::suffix::{SuffixConfig, SuffixProposer};
 
-fn err(e: NgramError) -> PyErr {
+fn err(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
@@ -29,6 +31,71 @@ fn sizes(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usi
 fn token_ids(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     let buf = buffer::<i32>(obj, name, "int32", 1)?;
     Ok(buf.to_vec(py)?.into_iter().map(|t| t as u32).collect())
+}
+
+/// One step's columns, copied: row i's new tokens are
+/// `tokens[offsets[i]..offsets[i + 1]]`.
+struct StepColumns {
+    rows: Vec<usize>,
+    offsets: Vec<usize>,
+    tokens: Vec<u32>,
+    drafted: Vec<usize>,
+    accepted: Vec<usize>,
+    max_drafts: Vec<usize>,
+}
+
+impl StepColumns {
+    fn extract(py: Python<'_>, cols: [&Bound<'_, PyAny>; 6]) -> PyResult<Self> {
+        let [rows, offsets, tokens, drafted, accepted, max_drafts] = cols;
+        let c = StepColumns {
+            rows: sizes(py, rows, "rows")?,
+            offsets: sizes(py, offsets, "new_offsets")?,
+            tokens: token_ids(py, tokens, "new_tokens")?,
+            drafted: sizes(py, drafted, "drafted")?,
+            accepted: sizes(py, accepted, "accepted")?,
+            max_drafts: sizes(py, max_drafts, "max_drafts")?,
+        };
+        let m = c.rows.len();
+        if c.offsets.len() != m + 1
+            || c.drafted.len() != m
+            || c.accepted.len() != m
+            || c.max_drafts.len() != m
+            || c.offsets.windows(2).any(|w| w[0] > w[1])
+            || c.offsets[m] > c.tokens.len()
+        {
+            return Err(PyValueError::new_err(format!(
+                "step: new_offsets must be [{}] non-decreasing within new_tokens ({} tokens), \
+                 drafted, accepted and max_drafts [{m}]",
+                m + 1,
+                c.tokens.len()
+            )));
+        }
+        Ok(c)
+    }
+
+    /// Call `step(row, new tokens, drafted, accepted, max_drafts, out)` for
+    /// every row; returns each row's proposal length and the proposals.
+    fn run(
+        &self,
+        mut step: impl FnMut(usize, &[u32], usize, usize, usize, &mut Vec<u32>) -> PyResult<usize>,
+    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let m = self.rows.len();
+        let mut counts = Vec::with_capacity(m);
+        let mut out = Vec::new();
+        for i in 0..m {
+            let new = &self.tokens[self.offsets[i]..self.offsets[i + 1]];
+            let n = step(
+                self.rows[i],
+                new,
+                self.drafted[i],
+                self.accepted[i],
+                self.max_drafts[i],
+                &mut out,
+            )?;
+            counts.push(n as u32);
+        }
+        Ok((counts, out))
+    }
 }
 
 /// Prompt-lookup proposals for the rows of the runner's input batch.
@@ -88,50 +155,109 @@ impl PyNgramProposer {
         accepted: &Bound<'_, PyAny>,
         max_drafts: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<u32>, Vec<u32>)> {
-        let rows = sizes(py, rows, "rows")?;
-        let offsets = sizes(py, new_offsets, "new_offsets")?;
-        let toks = token_ids(py, new_tokens, "new_tokens")?;
-        let drafted = sizes(py, drafted, "drafted")?;
-        let accepted = sizes(py, accepted, "accepted")?;
-        let max_drafts = sizes(py, max_drafts, "max_drafts")?;
-        let m = rows.len();
-        if offsets.len() != m + 1
-            || drafted.len() != m
-            || accepted.len() != m
-            || max_drafts.len() != m
-            || offsets.windows(2).any(|w| w[0] > w[1])
-            || offsets[m] > toks.len()
-        {
-            return Err(PyValueError::new_err(format!(
-                "step: new_offsets must be [{}] non-decreasing within new_tokens ({} tokens), \
-                 drafted, accepted and max_drafts [{m}]",
-                m + 1,
-                toks.len()
-            )));
-        }
+        let cols = StepColumns::extract(
+            py,
+            [rows, new_offsets, new_tokens, drafted, accepted, max_drafts],
+        )?;
         py.detach(|| {
             let mut proposer = self.lock()?;
-            let mut counts = Vec::with_capacity(m);
-            let mut out = Vec::new();
-            for i in 0..m {
-                let new = &toks[offsets[i]..offsets[i + 1]];
-                let n = proposer
-                    .step(
-                        rows[i],
-                        new,
-                        drafted[i],
-                        accepted[i],
-                        max_drafts[i],
-                        &mut out,
-                    )
-                    .map_err(err)?;
-                counts.push(n as u32);
-            }
-            Ok((counts, out))
+            cols.run(|row, new, d, a, k, out| proposer.step(row, new, d, a, k, out).map_err(err))
+        })
+    }
+}
+
+/// SuffixDecoding proposals for the rows of the runner's input batch.
+#[pyclass(module = "asyncllm._core", name = "SuffixProposer", frozen)]
+pub struct PySuffixProposer {
+    inner: Mutex<SuffixProposer>,
+}
+
+impl PySuffixProposer {
+    fn lock(&self) -> PyResult<MutexGuard<'_, SuffixProposer>> {
+        self.inner
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("SuffixProposer: a previous call panicked"))
+    }
+}
+
+#[pymethods]
+impl PySuffixProposer {
+    #[new]
+    fn new(
+        num_rows: usize,
+        max_tree_depth: usize,
+        max_cached_requests: usize,
+        max_cached_tokens: usize,
+        max_spec_factor: f32,
+        min_token_prob: f32,
+    ) -> PyResult<Self> {
+        let config = SuffixConfig {
+            max_tree_depth,
+            max_cached_requests,
+            max_cached_tokens,
+            max_spec_factor,
+            min_token_prob,
+        };
+        let inner = SuffixProposer::new(num_rows, config).map_err(err)?;
+        Ok(PySuffixProposer {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Start `row` for request `key` with its tokens so far (`tokens`, int32),
+    /// the first `num_prompt` its prompt; builds its tries with the GIL released.
+    fn add(
+        &self,
+        py: Python<'_>,
+        row: usize,
+        key: u64,
+        tokens: &Bound<'_, PyAny>,
+        num_prompt: usize,
+    ) -> PyResult<()> {
+        let toks = token_ids(py, tokens, "tokens")?;
+        py.detach(|| self.lock()?.add(row, key, &toks, num_prompt).map_err(err))
+    }
+
+    /// `row`'s request left: its output stays shared until evicted.
+    fn remove(&self, py: Python<'_>, row: usize) -> PyResult<()> {
+        py.detach(|| {
+            self.lock()?.remove(row);
+            Ok(())
+        })
+    }
+
+    /// As `NgramProposer.step`.
+    #[allow(clippy::too_many_arguments)] // the step's columns, all distinct
+    fn step(
+        &self,
+        py: Python<'_>,
+        rows: &Bound<'_, PyAny>,
+        new_offsets: &Bound<'_, PyAny>,
+        new_tokens: &Bound<'_, PyAny>,
+        drafted: &Bound<'_, PyAny>,
+        accepted: &Bound<'_, PyAny>,
+        max_drafts: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<u32>, Vec<u32>)> {
+        let cols = StepColumns::extract(
+            py,
+            [rows, new_offsets, new_tokens, drafted, accepted, max_drafts],
+        )?;
+        py.detach(|| {
+            let mut proposer = self.lock()?;
+            cols.run(|row, new, d, a, k, out| proposer.step(row, new, d, a, k, out).map_err(err))
+        })
+    }
+
+    /// (requests kept after they left, tokens) in the shared trie.
+    fn cache_size(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        py.detach(|| {
+            let p = self.lock()?;
+            Ok((p.num_cached_requests(), p.num_global_tokens()))
         })
     }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyNgramProposer>()
+    m.add_class::<PyNgramProposer>()?;
+    m.add_class::<PySuffixProposer>()
 }

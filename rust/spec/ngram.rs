@@ -10,15 +10,12 @@
 //! never a rescan of the context.
 //!
 //! A row whose drafts keep being rejected outright stops proposing for a
-//! while (its cooldown doubles on every such miss, up to `MAX_COOLDOWN` steps;
-//! any accepted draft token resets it), so text with nothing to copy costs
-//! almost nothing.
+//! while (`super::backoff`), so text with nothing to copy costs almost nothing.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// Steps a row waits, at most, before proposing again after rejected drafts.
-pub const MAX_COOLDOWN: u32 = 8;
+use super::backoff::Backoff;
 /// The most tokens one proposal may hold.
 pub const MAX_DRAFTS: usize = 64;
 /// The longest n-gram a proposer may match.
@@ -58,9 +55,8 @@ struct Row {
     maps: Vec<Index>,
     /// n-grams ending at positions `<= indexed` are in `maps`.
     indexed: usize,
-    /// Steps left before this row proposes again, and the next cooldown.
-    wait: u32,
-    cooldown: u32,
+    /// When this row proposes.
+    backoff: Backoff,
 }
 
 /// Prompt-lookup proposer for up to `num_rows` rows (the runner's input-batch rows).
@@ -110,8 +106,7 @@ impl NgramProposer {
             tokens: tokens.to_vec(),
             maps: (0..num_maps).map(|_| Index::default()).collect(),
             indexed: 0,
-            wait: 0,
-            cooldown: 1,
+            backoff: Backoff::default(),
         };
         self.index(&mut state);
         self.rows[row] = Some(state);
@@ -159,19 +154,10 @@ impl NgramProposer {
         let mut state = self.rows[row].take().ok_or(NgramError::NoRow(row))?;
         state.tokens.extend_from_slice(new_tokens);
         self.index(&mut state);
-        if drafted > 0 {
-            if accepted > 0 {
-                state.cooldown = 1;
-            } else {
-                state.wait = state.cooldown;
-                state.cooldown = (state.cooldown * 2).min(MAX_COOLDOWN);
-            }
-        }
-        let written = if state.wait > 0 {
-            state.wait -= 1;
-            0
-        } else {
+        let written = if state.backoff.may_propose(drafted, accepted) {
             self.lookup(&state, max_drafts.min(MAX_DRAFTS), out)
+        } else {
+            0
         };
         self.rows[row] = Some(state);
         Ok(written)

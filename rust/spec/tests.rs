@@ -1,4 +1,5 @@
-use super::ngram::{NgramError, NgramProposer, MAX_COOLDOWN};
+use super::backoff::MAX_COOLDOWN;
+use super::ngram::{NgramError, NgramProposer};
 
 fn propose(p: &mut NgramProposer, row: usize, new: &[u32], k: usize) -> Vec<u32> {
     let mut out = Vec::new();

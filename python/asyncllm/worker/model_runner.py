@@ -138,8 +138,11 @@ class ModelRunner:
         self._defer_tokens = config.async_scheduling
         self._prompt_logprobs = PromptLogprobsCollector(self.vocab_size)
         # Speculative decoding's proposer and verifier (worker/spec_decode.py).
-        spec = config.speculative
-        self.spec = None if spec is None else SpecDecoder(spec, config.max_num_seqs)
+        self.spec = (
+            None
+            if config.speculative is None
+            else SpecDecoder(config, self.num_blocks, self.vocab_size)
+        )
         # Set by the engine core: the matchers of constrained requests.
         self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
@@ -410,4 +413,5 @@ class ModelRunner:
         room: np.ndarray,
     ) -> dict[int, list[int]]:
         assert self.spec is not None
-        return self.spec.propose(rows, req_ids, tokens, num_drafts, num_accepted, room)
+        ib = self.input_batch
+        return self.spec.propose(ib, rows, req_ids, tokens, num_drafts, num_accepted, room)

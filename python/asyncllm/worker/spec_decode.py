@@ -1,8 +1,10 @@
 """Speculative decoding in the runner: proposals, and verification by the draw.
 
-Proposals: after each step, one call of the Rust n-gram proposer
-(`_core.NgramProposer`, rust/spec/ngram.rs) appends every sampled row's new
-tokens to that row's index and proposes its next drafts, with the GIL released.
+Proposals: after each step, one call of the Rust proposer (`_core.NgramProposer`,
+rust/spec/ngram.rs, or `_core.SuffixProposer`, rust/spec/suffix.rs) appends every
+sampled row's new tokens to that row's index and proposes its next drafts, with
+the GIL released; or the draft model (worker/draft_model.py) runs k forwards for
+every sampled row at once.
 The scheduler budgets them and sends them back in the next step's plan
 (`SchedulerOutput.spec_token_ids`).
 
@@ -17,8 +19,8 @@ they equal those draws, and the first draw that differs (or the one after the
 last draft) is kept too. The output is therefore the output without speculation:
 token for token for greedy and seeded requests (up to floating-point differences
 between a k+1-token forward and a 1-token one), in distribution for unseeded
-ones. For a draft that is a single proposed token (n-gram), this accepts with
-probability p(draft), which is what rejection sampling accepts with.
+ones. For a draft that is a single proposed token (n-gram, suffix), this accepts
+with probability p(draft), which is what rejection sampling accepts with.
 
 Rows that depend on their own earlier outputs in ways the drafts would change
 (penalties, logit rules such as bad words, grammars) and rows that want prompt
@@ -30,9 +32,11 @@ from __future__ import annotations
 import numpy as np
 
 from asyncllm import _core
+from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.messages import Logprobs
 from asyncllm.spec_config import SpeculativeConfig
+from asyncllm.worker.draft_model import DraftModel
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.sampler_output import SamplerOutput
 
@@ -57,14 +61,37 @@ class Expansion:
         self.rows = np.repeat(rows, width)
 
 
-class SpecDecoder:
-    """The runner's proposer and verifier (n-gram method)."""
-
-    def __init__(self, config: SpeculativeConfig, max_num_seqs: int) -> None:
-        self.k = config.num_speculative_tokens
-        self.proposer = _core.NgramProposer(
-            max_num_seqs, config.prompt_lookup_min, config.prompt_lookup_max
+def make_proposer(
+    config: SpeculativeConfig, max_num_seqs: int
+) -> _core.NgramProposer | _core.SuffixProposer:
+    """The Rust proposer of the configured method, with a row per batch row."""
+    if config.method == "suffix":
+        return _core.SuffixProposer(
+            max_num_seqs,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_cached_tokens,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
         )
+    return _core.NgramProposer(max_num_seqs, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class SpecDecoder:
+    """The runner's proposer (n-gram, suffix or a draft model) and verifier."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, vocab_size: int) -> None:
+        spec = config.speculative
+        assert spec is not None
+        max_num_seqs = config.max_num_seqs
+        self.k = spec.num_speculative_tokens
+        self.draft: DraftModel | None = None
+        self.proposer: _core.NgramProposer | _core.SuffixProposer | None = None
+        if spec.method == "draft_model":
+            assert spec.model is not None
+            self.draft = DraftModel(config, spec.model, num_blocks, vocab_size)
+        else:
+            self.proposer = make_proposer(spec, max_num_seqs)
         self.eligible = np.zeros(max_num_seqs, dtype=bool)
         self._no_tokens = np.zeros(0, dtype=np.int32)
 
@@ -79,13 +106,22 @@ class SpecDecoder:
             and p.prompt_logprobs is None
         )
         self.eligible[row] = ok
-        if ok:
-            self.proposer.add(row, np.asarray(new.token_ids, dtype=np.int32))
+        if not ok or self.proposer is None:
+            return  # the draft model starts a row from nothing (`DraftModel.remove`)
+        tokens = np.asarray(new.token_ids, dtype=np.int32)
+        if isinstance(self.proposer, _core.SuffixProposer):
+            self.proposer.add(row, new.req_id, tokens, new.num_prompt_tokens)
+        else:
+            self.proposer.add(row, tokens)
 
     def remove(self, row: int) -> None:
         if self.eligible[row]:
             self.eligible[row] = False
-            self.proposer.remove(row)
+            if self.draft is not None:
+                self.draft.remove(row)
+            else:
+                assert self.proposer is not None
+                self.proposer.remove(row)
 
     def write_drafts(self, ib: InputBatch, spec: dict[int, list[int]]) -> None:
         """Put each request's drafts after its known tokens, where the step reads
@@ -121,6 +157,7 @@ class SpecDecoder:
 
     def propose(
         self,
+        ib: InputBatch,
         rows: np.ndarray,
         req_ids: list[int],
         tokens: list[list[int]],
@@ -135,6 +172,11 @@ class SpecDecoder:
         if not keep.any():
             return {}
         idx = np.flatnonzero(keep)
+        max_drafts = np.clip(room[idx], 0, self.k).astype(np.int64)
+        if self.draft is not None:
+            proposed = self.draft.propose(ib, rows[idx], max_drafts)
+            return {req_ids[j]: d for j, d in zip(idx.tolist(), proposed, strict=True) if d}
+        assert self.proposer is not None
         new = [tokens[i] for i in idx.tolist()]
         lens = np.fromiter((len(t) for t in new), dtype=np.int64, count=len(new))
         offsets = np.zeros(len(new) + 1, dtype=np.int64)
@@ -146,7 +188,7 @@ class SpecDecoder:
             flat,
             num_drafts[idx].astype(np.int64),
             num_accepted[idx].astype(np.int64),
-            np.clip(room[idx], 0, self.k).astype(np.int64),
+            max_drafts,
         )
         out: dict[int, list[int]] = {}
         pos = 0
