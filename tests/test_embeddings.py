@@ -15,10 +15,9 @@ import math
 import pytest
 import torch
 
-from asyncllm import LLM, AsyncLLM, EngineArgs, InvalidRequestError, SamplingParams
+from asyncllm import LLM, AsyncLLM, EngineArgs, InvalidRequestError, PoolingParams, SamplingParams
 from asyncllm.errors import ConfigError
 from asyncllm.outputs import EmbeddingRequestOutput, RequestOutput
-from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import RequestOutputKind
 from tiny_models import hf_greedy, make_tiny_model
 
