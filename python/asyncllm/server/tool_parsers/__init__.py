@@ -2,7 +2,8 @@
 each turns a model's text into content and OpenAI `tool_calls`, whole or as
 streamed deltas. `hermes` reads the `<tool_call>{...}</tool_call>` blocks of
 Hermes and Qwen models, `llama3_json` the bare JSON calls of Llama 3.x,
-`pythonic` lists of Python calls (`[f(x=1), g()]`); `forced`
+`pythonic` lists of Python calls (`[f(x=1), g()]`), `mistral` the calls after
+Mistral's `[TOOL_CALLS]`; `forced`
 holds the parsers for output constrained by `tool_choice` "required" or a named
 function."""
 
@@ -18,6 +19,7 @@ from asyncllm.server.tool_parsers.base import (
 )
 from asyncllm.server.tool_parsers.hermes import HermesToolParser
 from asyncllm.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from asyncllm.server.tool_parsers.mistral import MistralToolParser
 from asyncllm.server.tool_parsers.pythonic import PythonicToolParser
 
 DEFAULT_TOOL_PARSER = "hermes"
@@ -46,6 +48,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 register(HermesToolParser)
 register(Llama3JsonToolParser)
+register(MistralToolParser)
 register(PythonicToolParser)
 
 __all__ = [
