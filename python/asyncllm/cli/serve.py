@@ -53,7 +53,8 @@ def add_parser(sub: Any) -> None:
         default="hermes",
         help="how tool calls are read from the model's output with tool_choice 'auto' "
         "(known: hermes, for Hermes and Qwen models; llama3_json, for Llama 3.x; "
-        "pythonic, [f(x=1), ...] lists; mistral, after [TOOL_CALLS]; default: hermes)",
+        "pythonic, [f(x=1), ...] lists; mistral, after [TOOL_CALLS]; qwen3_coder, "
+        "<function=NAME><parameter=KEY> blocks; default: hermes)",
     )
     s.add_argument(
         "--reasoning-parser",
