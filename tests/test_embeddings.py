@@ -211,3 +211,18 @@ def test_bad_pooling_params_are_refused(llm):
         llm.embed(["hello"], dimensions=65, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="not both"):
         llm.embed(["hello"], PoolingParams(), pooling="mean")
+
+
+def test_an_aborted_embedding_frees_its_blocks_and_says_so(model_dir):
+    """Aborted mid-prompt (its prompt spans several steps): its state names the
+    abort, its output has no vector, and the core holds none of its blocks."""
+    with make_llm(model_dir, multiprocess=False) as llm:
+        engine = llm.engine
+        state = engine.add_embedding("e", prompt(15, 3 * BUDGET), PoolingParams("mean"))
+        assert engine.step() == []  # the first chunk ran
+        (out,) = engine.abort_request(["e"])
+        assert isinstance(out, EmbeddingRequestOutput) and out.outputs.embedding == []
+        assert state.error == "request 'e' was aborted" and not engine.has_unfinished_requests()
+        core = engine.core
+        assert core is not None and not core.has_unfinished_requests()
+        assert core.kv_cache.pool.num_free_blocks == core.num_kv_blocks
