@@ -52,6 +52,7 @@ fn output_batch(top_n: Option<u32>) -> OutputBatch {
                 }),
                 prompt_logprobs: None,
                 num_cached_tokens: None,
+                embedding: None,
             }
         })
         .collect();

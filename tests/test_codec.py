@@ -200,6 +200,11 @@ def test_output_batches_round_trip_exactly() -> None:
             "logprobs": lambda: None if rng.random() < 0.5 else random_logprobs(rng),
             "prompt_logprobs": lambda: None if rng.random() < 0.7 else random_logprobs(rng),
             "num_cached_tokens": lambda: None if rng.random() < 0.8 else edgy_int(rng, U32_MAX),
+            "embeddings": lambda: (
+                None
+                if rng.random() < 0.8
+                else [f32(rng.uniform(-4, 4)) for _ in range(rng.randint(0, 9))]
+            ),
         }
         for name, make in optional.items():
             if rng.random() < 0.7:
@@ -235,6 +240,9 @@ def test_output_batches_round_trip_exactly() -> None:
         assert batch.num_cached_tokens == {
             i: v for i, v in enumerate(cols.get("num_cached_tokens", none)) if v is not None
         }
+        assert batch.embeddings == {
+            i: v for i, v in enumerate(cols.get("embeddings", none)) if v is not None
+        }
         for name in ("logprobs", "prompt_logprobs"):
             for i, want in enumerate(cols.get(name, none)):
                 got = getattr(batch, name)(i)
@@ -258,6 +266,7 @@ def test_output_batches_round_trip_exactly() -> None:
             logprobs=[batch.logprobs(i) for i in range(n)],
             prompt_logprobs=[batch.prompt_logprobs(i) for i in range(n)],
             num_cached_tokens=[batch.num_cached_tokens.get(i) for i in range(n)],
+            embeddings=[batch.embeddings.get(i) for i in range(n)],
         )
         assert again == frame
 
@@ -350,11 +359,17 @@ def test_control_messages_round_trip() -> None:
     assert decode_message(encode_abort(ids)) == (_core.MSG_ABORT, ids)
     assert decode_message(encode_abort([])) == (_core.MSG_ABORT, [])
     ready = Ready(
-        max_model_len=4096, num_kv_blocks=U32_MAX, block_size=16, vocab_size=1, eos_token_ids=[]
+        max_model_len=4096,
+        num_kv_blocks=U32_MAX,
+        block_size=16,
+        vocab_size=1,
+        eos_token_ids=[],
+        hidden_size=896,
     )
     msg_type, back = decode_message(encode_ready(ready))
     assert msg_type == _core.MSG_READY and back == ready
     assert (back.max_model_len, back.num_kv_blocks, back.eos_token_ids) == (4096, U32_MAX, [])
+    assert back.hidden_size == 896
     assert decode_message(encode_engine_error("💥 dead")) == (_core.MSG_ENGINE_ERROR, "💥 dead")
     assert decode_message(encode_shutdown()) == (_core.MSG_SHUTDOWN, None)
     # Any byte buffer decodes, not only bytes.
@@ -402,7 +417,12 @@ def test_fixtures_decode_to_their_values() -> None:
         (8, False, "no such method: frobnicate"),
     )
     assert decode_message(fixture("ready"))[1] == Ready(
-        max_model_len=2048, num_kv_blocks=512, block_size=16, vocab_size=32_000, eos_token_ids=[2]
+        max_model_len=2048,
+        num_kv_blocks=512,
+        block_size=16,
+        vocab_size=32_000,
+        eos_token_ids=[2],
+        hidden_size=4096,
     )
     assert decode_message(fixture("engine_error")) == (_core.MSG_ENGINE_ERROR, "CUDA out of memory")
     assert decode_message(fixture("shutdown")) == (_core.MSG_SHUTDOWN, None)
@@ -417,6 +437,9 @@ def test_fixtures_decode_to_their_values() -> None:
     assert batch.errors == [o.get("error") for o in wire.OUTPUTS]
     assert batch.num_cached_tokens == {
         i: o["num_cached_tokens"] for i, o in enumerate(wire.OUTPUTS) if "num_cached_tokens" in o
+    }
+    assert batch.embeddings == {
+        i: o["embedding"] for i, o in enumerate(wire.OUTPUTS) if "embedding" in o
     }
     for i, o in enumerate(wire.OUTPUTS):
         for name in ("logprobs", "prompt_logprobs"):
@@ -448,7 +471,12 @@ def test_encoders_write_the_fixture_bytes() -> None:
         "utility_result_error"
     )
     ready = Ready(
-        max_model_len=2048, num_kv_blocks=512, block_size=16, vocab_size=32_000, eos_token_ids=[2]
+        max_model_len=2048,
+        num_kv_blocks=512,
+        block_size=16,
+        vocab_size=32_000,
+        eos_token_ids=[2],
+        hidden_size=4096,
     )
     assert encode_ready(ready) == fixture("ready")
     assert encode_engine_error("CUDA out of memory") == fixture("engine_error")
@@ -466,6 +494,7 @@ def test_encoders_write_the_fixture_bytes() -> None:
         logprobs=[_lp(o.get("logprobs")) for o in outs],
         prompt_logprobs=[_lp(o.get("prompt_logprobs")) for o in outs],
         num_cached_tokens=[o.get("num_cached_tokens") for o in outs],
+        embeddings=[o.get("embedding") for o in outs],
     ) == fixture("output_batch")
 
 
@@ -550,7 +579,7 @@ def add_request_frame(**overrides: Any) -> bytes:
             wire.frame(
                 wire.MSG_OUTPUT_BATCH,
                 [
-                    [[1, wire.Words([]), 9, None, None, None, None, None]],
+                    [[1, wire.Words([]), 9, None, None, None, None, None, None]],
                     wire.stats_body(wire.STATS),
                     0.0,
                 ],
@@ -571,6 +600,7 @@ def add_request_frame(**overrides: Any) -> bytes:
                             [2, 3, wire.Words([0] * 6), wire.F32Words([0.0] * 6), wire.Words([0])],
                             None,
                             None,
+                            None,
                         ]
                     ],  # noqa: E501
                     wire.stats_body(wire.STATS),
@@ -583,12 +613,24 @@ def add_request_frame(**overrides: Any) -> bytes:
             wire.frame(
                 wire.MSG_OUTPUT_BATCH,
                 [
-                    [[1, wire.Words([]), None, None, None, None, None, -1]],
+                    [[1, wire.Words([]), None, None, None, None, None, -1, None]],
                     wire.stats_body(wire.STATS),
                     0.0,
                 ],
             ),
             "malformed frame: OutputBatch.outputs[0].num_cached_tokens: int -1 out of range",
+        ),
+        (
+            wire.frame(
+                wire.MSG_OUTPUT_BATCH,
+                [
+                    [[1, wire.Words([]), 0, None, None, None, None, None, b"\x00" * 6]],
+                    wire.stats_body(wire.STATS),
+                    0.0,
+                ],
+            ),
+            "malformed frame: OutputBatch.outputs[0].embedding: array of 4-byte items has 6 "
+            "bytes, not a multiple of 4",
         ),
         (
             add_request_frame(cache_salt=7),

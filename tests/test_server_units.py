@@ -80,6 +80,11 @@ def test_limits_must_be_positive():
         ServerConfig(served_model_names=["m"], body_timeout=-1)
 
 
+def test_embedding_pooling_is_checked():
+    with pytest.raises(ConfigError, match="--embedding-pooling='max' is invalid"):
+        ServerConfig(served_model_names=["m"], embedding_pooling="max")
+
+
 def test_every_limit_is_a_documented_flag():
     import argparse
     import dataclasses
@@ -96,6 +101,8 @@ def test_every_limit_is_a_documented_flag():
         "tool_call_parser",
         "reasoning_parser",
         "enable_store",
+        "embedding_pooling",
+        "embedding_normalize",
         "shutdown_timeout",
         "stats_interval",
         "ui",

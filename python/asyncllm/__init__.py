@@ -11,7 +11,14 @@ from asyncllm.errors import (
     ModelLoadError,
     OutputProcessingError,
 )
-from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.structured_output.params import StructuredOutputsParams
 
@@ -44,6 +51,8 @@ __all__ = [
     "AsyncLLMError",
     "CompletionOutput",
     "ConfigError",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineDeadError",
     "EngineStartupError",
@@ -51,6 +60,7 @@ __all__ = [
     "Logprob",
     "ModelLoadError",
     "OutputProcessingError",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -82,6 +82,7 @@ class AddRequest:
         logit_bias: Mapping[int, float] | None = None,
         allowed_token_ids: _Ints | None = None,
         bad_words_token_ids: Iterable[_Ints] | None = None,
+        pooling: str | None = None,
     ) -> Self: ...
     @property
     def wire_id(self) -> int:
@@ -155,6 +156,11 @@ class AddRequest:
         ends with the tokens before it.
         """
     @property
+    def pooling(self) -> str | None:
+        """None: generate. "last" or "mean": an embedding request, whose prompt's final hidden
+        states are pooled that way and sent back; nothing is sampled.
+        """
+    @property
     def num_prompt_tokens(self) -> int: ...
 
 # --- end of generated AddRequest ---
@@ -199,6 +205,7 @@ class Ready:
         block_size: int,
         vocab_size: int,
         eos_token_ids: _Ints,
+        hidden_size: int,
     ) -> Self: ...
     @property
     def max_model_len(self) -> int: ...
@@ -210,6 +217,9 @@ class Ready:
     def vocab_size(self) -> int: ...
     @property
     def eos_token_ids(self) -> list[int]: ...
+    @property
+    def hidden_size(self) -> int:
+        """The length of the model's hidden states (of an embedding)."""
 
 @final
 class Logprobs:
@@ -270,6 +280,10 @@ class OutputBatch:
     def num_cached_tokens(self) -> dict[int, int]:
         """Output index -> prompt tokens served from the prefix cache, for the
         outputs that carry it (each request's first output); usually empty."""
+    @property
+    def embeddings(self) -> dict[int, list[float]]:
+        """Output index -> the pooled vector of each embedding request's (final)
+        output; empty in steps without one."""
     def logprobs(self, i: int) -> Logprobs | None: ...
     def prompt_logprobs(self, i: int) -> Logprobs | None: ...
     @property
@@ -314,6 +328,7 @@ def encode_output_batch(
     logprobs: Sequence[_LogprobsInput] | None = None,
     prompt_logprobs: Sequence[_LogprobsInput] | None = None,
     num_cached_tokens: Sequence[int | None] | None = None,
+    embeddings: Sequence[_Floats | None] | None = None,
 ) -> bytes:
     """A `MSG_OUTPUT_BATCH` frame from per-request columns: output i is
     `wire_ids[i]`, `new_token_ids[i]`, and entry i of each optional column (a
@@ -325,7 +340,9 @@ def encode_output_batch(
     (fastest), or a
     `(token_ids, logprobs, ranks)` tuple as for the `Logprobs` constructor.
     `num_cached_tokens` gives a request's prompt tokens found in the prefix cache,
-    sent with its first output only."""
+    sent with its first output only. `embeddings` gives an embedding request's
+    pooled vector (floats, or a float32/float64 buffer such as a numpy vector),
+    sent with its one output."""
 
 def decode_message(
     frame: bytes | bytearray | memoryview, max_frame_size: int | None = None

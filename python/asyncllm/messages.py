@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm._core import Logprobs, SchedulerStats, encode_output_batch
 from asyncllm.sampling_params import SamplingParams
@@ -26,6 +27,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    # None: generate. "last" / "mean" (pooling_params.POOLING_TYPES): an embedding
+    # request; the core pools its prompt's hidden states and samples nothing.
+    pooling: str | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +50,8 @@ class StepOutputs:
     prompt_logprobs: list[Logprobs | None] | None = None
     # prompt tokens found in the prefix cache, on each request's first output only
     num_cached_tokens: list[int | None] | None = None
+    # the pooled hidden state (float32) of each embedding request that finished
+    embeddings: list[Any | None] | None = None
 
     def encode(self) -> bytes:
         return encode_output_batch(
@@ -59,4 +65,5 @@ class StepOutputs:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            embeddings=self.embeddings,
         )

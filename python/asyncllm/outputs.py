@@ -43,3 +43,27 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache instead of being computed;
     # None until the engine reports it (with the request's first output token).
     num_cached_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's name): the pooled, finished vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` and `AsyncLLM.embed` return for one prompt (vLLM's shape:
+    `out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    # Prompt tokens whose KV came from the prefix cache (last-token pooling only).
+    num_cached_tokens: int | None = None

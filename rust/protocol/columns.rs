@@ -28,6 +28,7 @@ pub struct OutputBatchColumns {
     pub logprobs: Vec<Option<Logprobs>>,
     pub prompt_logprobs: Vec<Option<Logprobs>>,
     pub num_cached_tokens: Vec<Option<u32>>,
+    pub embeddings: Vec<Option<Vec<f32>>>,
     pub stats: SchedulerStats,
     pub timestamp: f64,
 }
@@ -59,8 +60,9 @@ impl OutputBatchColumns {
             .zip(self.errors)
             .zip(self.logprobs)
             .zip(self.prompt_logprobs)
-            .zip(self.num_cached_tokens);
-        for (((((((wire_id, end), finish_reason), stop_reason), error), lp), plp), cached) in
+            .zip(self.num_cached_tokens)
+            .zip(self.embeddings);
+        for ((((((((wire_id, end), finish_reason), stop_reason), error), lp), plp), cached), emb) in
             columns
         {
             outputs.push(RequestOutput {
@@ -72,6 +74,7 @@ impl OutputBatchColumns {
                 logprobs: lp,
                 prompt_logprobs: plp,
                 num_cached_tokens: cached,
+                embedding: emb,
             });
             start = end;
         }
@@ -100,6 +103,7 @@ impl From<OutputBatch> for OutputBatchColumns {
             c.logprobs.push(o.logprobs);
             c.prompt_logprobs.push(o.prompt_logprobs);
             c.num_cached_tokens.push(o.num_cached_tokens);
+            c.embeddings.push(o.embedding);
         }
         c
     }
@@ -142,6 +146,7 @@ pub(super) fn read_output_batch_columns(r: &mut Reader<'_>) -> WireResult<Output
         logprobs: Vec::with_capacity(n),
         prompt_logprobs: Vec::with_capacity(n),
         num_cached_tokens: Vec::with_capacity(n),
+        embeddings: Vec::with_capacity(n),
         ..OutputBatchColumns::default()
     };
     for i in 0..n {
@@ -171,5 +176,6 @@ fn read_output_into(r: &mut Reader<'_>, c: &mut OutputBatchColumns) -> WireResul
         .push(read_opt_logprobs(r, &PROMPT_LOGPROBS_PATHS)?);
     c.num_cached_tokens
         .push(r.opt(|r| r.u32("num_cached_tokens"))?);
+    c.embeddings.push(r.opt(|r| r.f32s("embedding"))?);
     Ok(())
 }

@@ -98,5 +98,6 @@ fn read_ready(r: &mut Reader<'_>) -> WireResult<Ready> {
         block_size: r.u32("Ready.block_size")?,
         vocab_size: r.u32("Ready.vocab_size")?,
         eos_token_ids: r.u32s("Ready.eos_token_ids")?,
+        hidden_size: r.u32("Ready.hidden_size")?,
     })
 }

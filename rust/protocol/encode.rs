@@ -13,11 +13,11 @@ use super::value::{write_value, Value};
 use super::writer::Writer;
 
 // Field counts of the positional arrays; `decode.rs` checks the same numbers.
-pub(super) const REQUEST_OUTPUT_FIELDS: usize = 8;
+pub(super) const REQUEST_OUTPUT_FIELDS: usize = 9;
 pub(super) const LOGPROBS_FIELDS: usize = 5;
 pub(super) const STATS_FIELDS: usize = 6;
 pub(super) const OUTPUT_BATCH_FIELDS: usize = 3;
-pub(super) const READY_FIELDS: usize = 5;
+pub(super) const READY_FIELDS: usize = 6;
 
 fn frame_writer(message_type: MessageType, capacity: usize) -> Writer {
     frame_writer_in(Vec::new(), message_type, capacity)
@@ -118,6 +118,7 @@ pub fn encode_ready(ready: &Ready) -> WireResult<Vec<u8>> {
     w.uint(ready.block_size as u64);
     w.uint(ready.vocab_size as u64);
     w.u32s(&ready.eos_token_ids, "Ready.eos_token_ids")?;
+    w.uint(ready.hidden_size as u64);
     Ok(w.into_bytes())
 }
 
@@ -147,6 +148,7 @@ pub fn encode_output_batch(batch: &OutputBatch) -> WireResult<Vec<u8>> {
             logprobs: o.logprobs.as_ref().map(|lp| lp.as_ref()),
             prompt_logprobs: o.prompt_logprobs.as_ref().map(|lp| lp.as_ref()),
             num_cached_tokens: o.num_cached_tokens,
+            embedding: o.embedding.as_deref(),
         })?;
     }
     w.finish(&batch.stats, batch.timestamp)
@@ -163,6 +165,7 @@ pub struct RequestOutputRef<'a> {
     pub logprobs: Option<LogprobsRef<'a>>,
     pub prompt_logprobs: Option<LogprobsRef<'a>>,
     pub num_cached_tokens: Option<u32>,
+    pub embedding: Option<&'a [f32]>,
 }
 
 /// Writes an output batch of a known number of outputs, one `push` per output,
@@ -221,6 +224,12 @@ impl OutputBatchWriter {
         write_opt_logprobs(w, o.prompt_logprobs, "prompt_logprobs")
             .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?;
         w.opt_uint(o.num_cached_tokens.map(u64::from));
+        match o.embedding {
+            Some(v) => w
+                .f32s(v, "embedding")
+                .map_err(|e| e.within(&format!("OutputBatch.outputs[{i}]")))?,
+            None => w.nil(),
+        }
         Ok(())
     }
 

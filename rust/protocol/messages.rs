@@ -211,6 +211,9 @@ pub struct RequestOutput {
     /// Prompt tokens served from the prefix cache; carried on a request's first
     /// output only (nil afterwards, so later steps pay one byte for it).
     pub num_cached_tokens: Option<u32>,
+    /// An embedding request's pooled hidden state, on its one (final) output;
+    /// nil for every generated token.
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// The scheduler's counters after a step.
@@ -240,6 +243,8 @@ pub struct Ready {
     pub block_size: u32,
     pub vocab_size: u32,
     pub eos_token_ids: Vec<u32>,
+    /// The length of the model's hidden states (of an embedding).
+    pub hidden_size: u32,
 }
 
 /// One decoded frame.

@@ -12,11 +12,13 @@
 //! Abort          [[wire_id, ...]]
 //! UtilityCall    [call_id, method:str, args:value]
 //! UtilityResult  [call_id, ok:bool, value (ok) | error message:str (not ok)]
-//! Ready          [max_model_len, num_kv_blocks, block_size, vocab_size, eos_token_ids:bin]
+//! Ready          [max_model_len, num_kv_blocks, block_size, vocab_size, eos_token_ids:bin,
+//!                 hidden_size]
 //! EngineError    [message:str]
 //! Shutdown       []
 //! OutputBatch    [[[wire_id, new_token_ids:bin, finish_reason?:u8, stop_reason?,
-//!                   error?:str, logprobs?, prompt_logprobs?, num_cached_tokens?], ...],
+//!                   error?:str, logprobs?, prompt_logprobs?, num_cached_tokens?,
+//!                   embedding?:bin(f32)], ...],
 //!                 [num_running, num_waiting, kv_cache_usage:f32, prefix_cache_queries,
 //!                  prefix_cache_hits, num_preemptions],
 //!                 timestamp:f64]

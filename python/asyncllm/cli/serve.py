@@ -53,7 +53,8 @@ def add_parser(sub: Any) -> None:
         default="hermes",
         help="how tool calls are read from the model's output with tool_choice 'auto' "
         "(known: hermes, for Hermes and Qwen models; llama3_json, for Llama 3.x; "
-        "pythonic, [f(x=1), ...] lists; default: hermes)",
+        "pythonic, [f(x=1), ...] lists; mistral, after [TOOL_CALLS]; qwen3_coder, "
+        "<function=NAME><parameter=KEY> blocks; default: hermes)",
     )
     s.add_argument(
         "--reasoning-parser",
@@ -69,6 +70,7 @@ def add_parser(sub: Any) -> None:
         "GET/DELETE /v1/responses/ID), in memory, per API key, within "
         "--max-stored-responses and --max-response-store-bytes",
     )
+    _add_embedding_args(s)
     s.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -85,6 +87,24 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--log-level", default="info", help="server log level (default: info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_limit_args(p)
+
+
+def _add_embedding_args(s: Any) -> None:
+    """How /v1/embeddings pools and scales."""
+    s.add_argument(
+        "--embedding-pooling",
+        choices=["last", "mean"],
+        default="last",
+        help="how /v1/embeddings pools the model's final hidden states: the last prompt "
+        "token's (default) or the mean over the prompt's tokens",
+    )
+    s.add_argument(
+        "--no-embedding-normalize",
+        dest="embedding_normalize",
+        action="store_false",
+        help="answer /v1/embeddings with the pooled vectors as they are (default: scaled to "
+        "unit length)",
+    )
 
 
 def _add_page_args(s: Any) -> None:
@@ -121,6 +141,8 @@ def run(ns: argparse.Namespace) -> int:
             tool_call_parser=ns.tool_call_parser,
             reasoning_parser=ns.reasoning_parser,
             enable_store=ns.enable_store,
+            embedding_pooling=ns.embedding_pooling,
+            embedding_normalize=ns.embedding_normalize,
             shutdown_timeout=ns.shutdown_timeout,
             stats_interval=ns.stats_interval,
             ui=ns.ui,

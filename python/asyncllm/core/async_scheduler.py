@@ -66,11 +66,14 @@ class AsyncScheduler(Scheduler):
         scheduler_output: SchedulerOutput,
         sampled: dict[int, int],
         verified: dict[int, list[int]] | None = None,
+        pooled: dict[int, object] | None = None,
     ) -> tuple[list[Request], bool]:
         """Append the tokens step N sampled (its requests' progress was counted
         when it was scheduled) and finish the ones that must stop. Returns the
         requests that produced a token, and whether any finished. (`verified` is
-        always empty: speculative decoding runs without overlap, config.py.)"""
+        always empty: speculative decoding runs without overlap, config.py.) An
+        embedding request's last chunk counted a placeholder at `schedule`, which
+        keeps it out of later plans until `pooled` finishes it here."""
         if scheduler_output.num_scheduled_tokens is self._planned:
             self._planned = {}
         kv = self.kv_cache
@@ -100,9 +103,26 @@ class AsyncScheduler(Scheduler):
                     finished = True
                     finished_waiting |= was_waiting
             append(request)
+        if pooled:
+            finished_waiting |= self._finish_pooled(pooled, stepped)
+            finished = True
         if finished:
             self._drop_finished(stepped, from_waiting=finished_waiting)
         return stepped, finished
+
+    def _finish_pooled(self, pooled: dict[int, object], stepped: list[Request]) -> bool:
+        """Finish the embedding requests pooled in the step (those still here);
+        whether one of them had been preempted since it was planned."""
+        from_waiting = False
+        for rid in pooled:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            request.num_output_placeholders = 0
+            from_waiting |= request.status != RequestStatus.RUNNING
+            request.status = RequestStatus.FINISHED_STOPPED
+            stepped.append(request)
+        return from_waiting
 
     def _decodes(self, running: list[Request]) -> list[Request]:
         # An all-decode request has computed every known token but its in-flight

@@ -53,7 +53,9 @@ class KVCacheManager:
         and the number of tokens they cover. Called once, before a request's first
         allocation. At least one token is always left to compute, since the model
         must produce logits for the last one. A request that wants prompt logprobs
-        (even 0 of them: the prompt tokens' own) computes its whole prompt."""
+        (even 0 of them: the prompt tokens' own) computes its whole prompt, and so
+        does a mean-pooled embedding request (it adds up every token's hidden
+        state; a cached block has none)."""
         limit = self.uncached_prompts_over
         if limit is not None and request.num_prompt_tokens > limit:
             request.block_hashes = None  # and so never registered either
@@ -62,6 +64,7 @@ class KVCacheManager:
             not self.enable_caching
             or hashes is None
             or request.sampling_params.prompt_logprobs is not None
+            or request.pooling == "mean"
         ):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size

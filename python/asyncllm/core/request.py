@@ -75,6 +75,7 @@ class Request:
         "num_output_placeholders",
         "grammar",
         "spec_token_ids",
+        "pooling",
     )
 
     def __init__(
@@ -89,6 +90,7 @@ class Request:
         hash_blocks: bool,
         arrival_time: float = 0.0,
         priority: int = 0,
+        pooling: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -122,6 +124,9 @@ class Request:
         # Speculative decoding: the draft tokens proposed after the last step,
         # verified by the next one (empty: none, or speculation is off).
         self.spec_token_ids: list[int] = []
+        # An embedding request ("last" or "mean" pooling): it finishes when its
+        # prompt is computed, with its pooled hidden state and no token.
+        self.pooling = pooling
         self.hash_full_blocks()
 
     @property

@@ -252,6 +252,7 @@ class Scheduler:
             num_computed_tokens=num_cached,
             stop_token_ids=request.stop_token_ids,
             grammar=request.grammar,
+            pooling=request.pooling,
         )
 
     def update_from_output(
@@ -259,11 +260,13 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled: dict[int, int],
         verified: dict[int, list[int]] | None = None,
+        pooled: dict[int, object] | None = None,
     ) -> tuple[list[Request], bool]:
         """Advance every scheduled request by its computed tokens, append the
         sampled token of those that were sampled (`verified`: the tokens of those
         that verified drafts, `spec_decode.apply_verified`), and finish the ones
-        that must stop. Returns the requests that produced a token this step
+        that must stop, and the embedding requests the runner pooled (`pooled`).
+        Returns the requests that produced a token or an embedding this step
         (finished or not), in batch order, and whether any of them finished."""
         kv = self.kv_cache
         requests = self.requests
@@ -287,6 +290,11 @@ class Scheduler:
             if token is None:
                 if verified and rid in verified:
                     finished |= self._apply_verified(request, scheduler_output, verified[rid])
+                    append(request)
+                    continue
+                if pooled and rid in pooled:  # an embedding request, done with its prompt
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    finished = True
                     append(request)
                     continue
                 num_unsampled += 1

@@ -22,6 +22,8 @@ class NewRequestData:
     stop_token_ids: frozenset[int]
     # the compiled output constraint (`_core.Grammar`), or None
     grammar: Any = None
+    # an embedding request's pooling type ("last" or "mean"); None: it generates
+    pooling: str | None = None
 
 
 @dataclass(slots=True)

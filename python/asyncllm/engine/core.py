@@ -21,6 +21,7 @@ from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.models.hf_config import kv_window, longrope_original
+from asyncllm.pooling_params import POOLING_TYPES
 from asyncllm.structured_output.grammar_cache import GrammarCache
 from asyncllm.structured_output.rows import GrammarRows
 from asyncllm.token_checks import check_params_token_ids, check_token_ids
@@ -61,6 +62,8 @@ class EngineCore:
 
             self.runner = ModelRunner(config, hf_config)
         self.vocab_size = self.runner.vocab_size
+        # the length of an embedding (the model's final hidden states)
+        self.hidden_size = int(hf_config.hidden_size)
         # Output constraints, compiled in `make_request` (off the busy loop); the
         # runner walks each request's grammar as it samples.
         self.grammars = GrammarCache(
@@ -115,6 +118,8 @@ class EngineCore:
         p = req.sampling_params
         check_token_ids(req.prompt_token_ids, self.vocab_size, "prompt")
         check_params_token_ids(p, self.vocab_size)
+        if req.pooling is not None:
+            self._check_pooling(req)
         grammar = None
         if p.structured_outputs is not None:
             if isinstance(self.runner, NullModelRunner):
@@ -133,9 +138,27 @@ class EngineCore:
             hash_blocks=self.config.enable_prefix_caching,
             arrival_time=req.arrival_time,
             priority=req.priority,
+            pooling=req.pooling,
         )
         request.grammar = grammar
         return request
+
+    def _check_pooling(self, req: EngineCoreRequest) -> None:
+        """An embedding request needs a model's hidden states and samples nothing."""
+        if req.pooling not in POOLING_TYPES:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: pooling {req.pooling!r} is not one of "
+                + ", ".join(POOLING_TYPES)
+            )
+        if isinstance(self.runner, NullModelRunner):
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: embeddings need a model "
+                "(the null executor has no hidden states)"
+            )
+        if self.config.speculative is not None:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: embeddings are not served with speculative decoding"
+            )
 
     def add_request(self, req: EngineCoreRequest | Request) -> None:
         request = req if isinstance(req, Request) else self.make_request(req)
@@ -204,6 +227,8 @@ class EngineCore:
         scheduler = self.scheduler
         if runner_out.verified or runner_out.drafts:
             return self._update_speculative(so, runner_out)
+        if runner_out.pooled:
+            return self._update_pooled(so, runner_out)
         stepped, any_finished = scheduler.update_from_output(so, runner_out.sampled)
         req_ids = [r.request_id for r in stepped]
         out = StepOutputs(
@@ -213,6 +238,17 @@ class EngineCore:
             time.time(),
         )
         return self._fill_outputs(out, stepped, any_finished, runner_out)
+
+    def _update_pooled(self, so: SchedulerOutput, runner_out: ModelRunnerOutput) -> StepOutputs:
+        """`update` for a step that pooled embedding requests: they finish with
+        their vector and no token; the others get their sampled token."""
+        pooled = runner_out.pooled
+        stepped, _ = self.scheduler.update_from_output(so, runner_out.sampled, pooled=pooled)
+        req_ids = [r.request_id for r in stepped]
+        new_ids = [[] if r.request_id in pooled else [r.all_token_ids[-1]] for r in stepped]
+        out = StepOutputs(req_ids, new_ids, self.scheduler.make_stats(), time.time())
+        out.embeddings = [pooled.get(rid) for rid in req_ids]
+        return self._fill_outputs(out, stepped, True, runner_out)
 
     def _update_speculative(
         self, so: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -273,7 +309,9 @@ class EngineCore:
         awaiting = self._awaiting_first_output
         hits = {}
         for rid, request in list(awaiting.items()):
-            if request.num_tokens > request.num_prompt_tokens:
+            if request.num_tokens > request.num_prompt_tokens or (
+                request.pooling is not None and request.status == RequestStatus.FINISHED_STOPPED
+            ):
                 hits[rid] = request.num_cached_prompt_tokens
                 del awaiting[rid]
             elif request.is_finished:  # aborted or failed before its first token

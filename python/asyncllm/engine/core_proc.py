@@ -110,6 +110,7 @@ class EngineCoreProc:
             block_size=core.config.block_size,
             vocab_size=core.vocab_size,
             eos_token_ids=sorted(core.eos_token_ids),
+            hidden_size=core.hidden_size,
         )
         # Everything built so far (the model, torch's modules) lives as long as the
         # process: keep it out of the cyclic GC, whose full collections would

@@ -42,6 +42,7 @@ def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
         logit_bias=p.logit_bias or None,
         allowed_token_ids=p.allowed_token_ids,
         bad_words_token_ids=p.bad_words_token_ids,
+        pooling=req.pooling,
     )
 
 
@@ -71,5 +72,5 @@ def from_wire(add: AddRequest) -> EngineCoreRequest:
         bad_words_token_ids=add.bad_words_token_ids,
     )
     return EngineCoreRequest(
-        add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority
+        add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority, add.pooling
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Carried by every frame; bumped on any change to the table below.
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,5 +159,13 @@ ADD_REQUEST: tuple[WireField, ...] = (
         "None",
         to_wire="p.bad_words_token_ids",
         from_wire="add.bad_words_token_ids",
+    ),
+    _f(
+        "pooling",
+        "opt_str",
+        'None: generate. "last" or "mean": an embedding request, whose prompt\'s final '
+        "hidden states are pooled that way and sent back; nothing is sampled.",
+        "None",
+        param=False,
     ),
 )

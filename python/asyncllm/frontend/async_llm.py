@@ -37,11 +37,17 @@ from asyncllm.frontend.dp_client import DPClient, make_client, merge_stats
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
 from asyncllm.frontend.output_collector import RequestOutputCollector
 from asyncllm.frontend.output_processor import OutputProcessor, ParentState
+from asyncllm.frontend.pooling_outputs import (
+    EmbeddingState,
+    check_pooling_params,
+    embedding_request,
+)
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.messages import EngineCoreRequest
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import EmbeddingRequestOutput, RequestOutput
 from asyncllm.placement import placement
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.pooling_params import PoolingParams
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.tracing import Tracer, now_ns
 
 logger = logging.getLogger(__name__)
@@ -96,10 +102,12 @@ class AsyncLLM:
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self.tracer)
         ready = self.client.ready
         self.max_model_len = ready.max_model_len
+        self.hidden_size = ready.hidden_size  # the length of an embedding
         self.input_processor = InputProcessor(self.tokenizer, ready.max_model_len, ready.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
-        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._collectors: dict[str, RequestOutputCollector[Any]] = {}
         self._parents: dict[str, ParentState] = {}
+        self._embeddings: dict[str, EmbeddingState] = {}
         self._wire_ids = itertools.count()
         self._request_ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
@@ -148,7 +156,9 @@ class AsyncLLM:
         children = fan_out(params)
         core_ids = [next(self._wire_ids) for _ in children]
         parent = ParentState(request_id, text, prompt_ids, params)
-        collector = RequestOutputCollector(params.output_kind)
+        collector: RequestOutputCollector[RequestOutput] = RequestOutputCollector(
+            params.output_kind
+        )
         self.output_processor.add_request(parent, core_ids)
         self._collectors[request_id] = collector
         self._parents[request_id] = parent
@@ -172,15 +182,63 @@ class AsyncLLM:
             self._collectors.pop(request_id, None)
             self._parents.pop(request_id, None)
 
+    async def embed(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+    ) -> EmbeddingRequestOutput:
+        """The prompt's embedding: its final hidden states pooled as `pooling_params`
+        say (default: last token, normalized). It runs in the same steps as the
+        generation requests, and keeps no KV once its prompt is computed.
+        Cancelling the call aborts the request; an abort raises InvalidRequestError."""
+        self._start_handler()
+        if not self.is_running:
+            raise self.dead_error
+        params = pooling_params or PoolingParams()
+        if request_id is None:
+            request_id = f"embd-{next(self._request_ids)}"
+        if request_id in self._collectors:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        _, prompt_ids = self.input_processor.process(prompt)
+        check_pooling_params(params, self.hidden_size)
+        state = EmbeddingState(request_id, prompt_ids, params, next(self._wire_ids))
+        collector: RequestOutputCollector[EmbeddingRequestOutput] = RequestOutputCollector(
+            RequestOutputKind.FINAL_ONLY
+        )
+        self.output_processor.add_embedding(state)
+        self._collectors[request_id] = collector
+        self._embeddings[request_id] = state
+        try:
+            request = embedding_request(state.core_id, prompt_ids, params)
+            self.client.add_requests([to_wire(request, self.max_model_len)])
+            out = collector.get_nowait() or await collector.get()
+            if state.error is not None:
+                raise InvalidRequestError(state.error)
+            return out
+        finally:
+            if not state.finished:  # cancelled or failed: stop it in the core
+                self._abort_now(request_id)
+            self._collectors.pop(request_id, None)
+            self._embeddings.pop(request_id, None)
+
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its `generate()` ends with finish_reason "abort"."""
+        """Abort a request; its `generate()` ends with finish_reason "abort" (its
+        `embed()` raises InvalidRequestError)."""
         self._abort_now(request_id)
 
-    def _abort_now(self, request_id: str) -> None:
+    def _core_ids_to_abort(self, request_id: str) -> list[int]:
+        """The core ids of a request's unfinished parts."""
+        embedding = self._embeddings.get(request_id)
+        if embedding is not None:
+            return [] if embedding.finished else [embedding.core_id]
         parent = self._parents.get(request_id)
         if parent is None:
-            return
-        core_ids = [c.core_id for c in parent.children if c.finish_reason is None]
+            return []
+        return [c.core_id for c in parent.children if c.finish_reason is None]
+
+    def _abort_now(self, request_id: str) -> None:
+        core_ids = self._core_ids_to_abort(request_id)
         if not core_ids:
             return
         for out in self.output_processor.abort(core_ids):

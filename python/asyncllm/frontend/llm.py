@@ -23,8 +23,9 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.frontend.llm_engine import LLMEngine
 from asyncllm.frontend.tokenizer import Tokenizer
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import EmbeddingRequestOutput, RequestOutput
 from asyncllm.placement import placement
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -88,13 +89,7 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts: "
                     "pass one, or one per prompt"
                 )
-        # Validate every prompt before submitting any, so a bad one leaves no
-        # half-submitted batch behind.
-        for i, prompt in enumerate(prompt_list):
-            try:
-                self.engine.input_processor.process(prompt)
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(f"prompt {i}: {exc}") from None
+        self._check_prompts(prompt_list)
         ids = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
             if params.output_kind != RequestOutputKind.FINAL_ONLY:
@@ -102,7 +97,54 @@ class LLM:
             rid = self.engine.next_request_id()
             self.engine.add_request(rid, prompt, params)
             ids.append(rid)
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Every prompt's embedding (`out.outputs.embedding`), in input order: its
+        final hidden states pooled by `pooling_params`, or by the `pooling` ("last",
+        the default, or "mean"), `normalize` (default on) and `dimensions`
+        shortcuts. They run as prompt-only requests of the same scheduler as
+        `generate`'s. A bad prompt raises before any request is submitted."""
+        if pooling_params is None:
+            defaults = PoolingParams()
+            pooling_params = PoolingParams(
+                defaults.pooling if pooling is None else pooling,
+                defaults.normalize if normalize is None else normalize,
+                dimensions,
+            )
+        elif pooling is not None or normalize is not None or dimensions is not None:
+            raise InvalidRequestError(
+                "pass pooling_params, or the pooling/normalize/dimensions shortcuts, not both"
+            )
+        prompt_list = _as_prompt_list(prompts)
+        self._check_prompts(prompt_list)
+        states = []
+        for prompt in prompt_list:
+            rid = self.engine.next_request_id()
+            states.append(self.engine.add_embedding(rid, prompt, pooling_params))
+        outputs = self._run([s.request_id for s in states], use_tqdm)
+        for i, state in enumerate(states):
+            if state.error is not None:
+                raise InvalidRequestError(f"prompt {i}: {state.error}")
+        return outputs  # type: ignore[return-value]
+
+    def _check_prompts(self, prompt_list: list[PromptType]) -> None:
+        """Validate every prompt before submitting any, so a bad one leaves no
+        half-submitted batch behind."""
+        for i, prompt in enumerate(prompt_list):
+            try:
+                self.engine.input_processor.process(prompt)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompt {i}: {exc}") from None
 
     def chat(
         self,
@@ -167,8 +209,8 @@ class LLM:
             template = self._templates[option] = ChatTemplate(source, tok.bos_token, tok.eos_token)
         return template
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput | EmbeddingRequestOutput]:
+        results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req")
         start = time.perf_counter()
         num_tokens = 0
@@ -177,7 +219,10 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out
-                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, EmbeddingRequestOutput):
+                            num_tokens += len(out.prompt_token_ids)
+                        else:
+                            num_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(f"{num_tokens / elapsed:.1f} tok/s", refresh=False)

@@ -17,10 +17,15 @@ from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.core_client import MPClient
 from asyncllm.frontend.dp_client import DPClient, make_client
 from asyncllm.frontend.input_processor import InputProcessor, PromptType, fan_out
-from asyncllm.frontend.output_processor import OutputProcessor, ParentState
+from asyncllm.frontend.output_processor import AnyRequestOutput, OutputProcessor, ParentState
+from asyncllm.frontend.pooling_outputs import (
+    EmbeddingState,
+    check_pooling_params,
+    embedding_request,
+)
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.messages import EngineCoreRequest
-from asyncllm.outputs import RequestOutput
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.tracing import Tracer
 
@@ -50,15 +55,17 @@ class LLMEngine:
                 raise
             ready = self.client.ready
             self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+            self.hidden_size = ready.hidden_size
         else:
             self.core = build_engine_core(args)
             if self.core.config.async_scheduling:
                 self._stepper = OverlapStepper(self.core)
             self.max_model_len = self.core.config.max_model_len
             self.vocab_size = self.core.vocab_size
+            self.hidden_size = self.core.hidden_size
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
-        self._parents: dict[str, ParentState] = {}
+        self._parents: dict[str, ParentState | EmbeddingState] = {}
         self._counter = itertools.count()
         self._wire_ids = itertools.count()
 
@@ -89,17 +96,42 @@ class LLMEngine:
             for request in requests:
                 self.core.add_request(request)
 
-    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+    def add_embedding(
+        self, request_id: str, prompt: PromptType, params: PoolingParams
+    ) -> EmbeddingState:
+        """Tokenize, validate and submit one embedding request; its state says
+        whether it failed once it finished. Raises InvalidRequestError without
+        touching the engine on a bad request."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        _, prompt_ids = self.input_processor.process(prompt)
+        check_pooling_params(params, self.hidden_size)
+        state = EmbeddingState(request_id, prompt_ids, params, next(self._wire_ids))
+        request = embedding_request(state.core_id, prompt_ids, params)
+        if self.core is not None:
+            core_request = self.core.make_request(request)
+        self.output_processor.add_embedding(state)
+        self._parents[request_id] = state
+        if self.client is not None:
+            self.client.add_requests([to_wire(request, self.max_model_len)])
+        else:
+            assert self.core is not None
+            self.core.add_request(core_request)
+        return state
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[AnyRequestOutput]:
         """Abort requests; returns their final outputs (finish_reason "abort")."""
         core_ids: list[int] = []
         for rid in request_ids:
             parent = self._parents.get(rid)
-            if parent is not None:
+            if isinstance(parent, EmbeddingState):
+                core_ids.extend([] if parent.finished else [parent.core_id])
+            elif parent is not None:
                 core_ids.extend(c.core_id for c in parent.children if c.finish_reason is None)
         self._abort_in_core(core_ids)
         return self._finish(self.output_processor.abort(core_ids))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyRequestOutput]:
         """Run (or wait for) one engine step and return the outputs due."""
         if self.core is not None:
             step_out = self._stepper.step() if self._stepper else self.core.step()
@@ -181,7 +213,7 @@ class LLMEngine:
         elif self.client is not None:
             self.client.abort_requests(core_ids)
 
-    def _finish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _finish(self, outputs: list[AnyRequestOutput]) -> list[AnyRequestOutput]:
         for out in outputs:
             if out.finished:
                 self._parents.pop(out.request_id, None)

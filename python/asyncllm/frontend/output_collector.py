@@ -1,37 +1,41 @@
 """Where one request's outputs wait for its consumer.
 
-Holds at most one pending `RequestOutput`: when the consumer lags, DELTA outputs
-merge into it and CUMULATIVE (or FINAL_ONLY) ones replace it, so a slow consumer
-never builds a queue.
+Holds at most one pending `RequestOutput` (or an embedding request's one
+`EmbeddingRequestOutput`): when the consumer lags, DELTA outputs merge into it and
+CUMULATIVE (or FINAL_ONLY) ones replace it, so a slow consumer never builds a
+queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Generic, TypeVar, cast
 
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import EmbeddingRequestOutput, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind
 
+_Out = TypeVar("_Out", RequestOutput, EmbeddingRequestOutput)
 
-class RequestOutputCollector:
+
+class RequestOutputCollector(Generic[_Out]):
     def __init__(self, kind: RequestOutputKind) -> None:
         self.delta = kind == RequestOutputKind.DELTA
-        self.output: RequestOutput | None = None
+        self.output: _Out | None = None
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: _Out) -> None:
         if self.output is None or not self.delta:
             self.output = output
-        else:
-            _merge_delta(self.output, output)
+        else:  # only completions stream deltas
+            _merge_delta(cast(RequestOutput, self.output), cast(RequestOutput, output))
         self.ready.set()
 
     def put_error(self, error: BaseException) -> None:
         self.error = error
         self.ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> _Out:
         """The pending output; raises the error the request failed with."""
         while self.output is None:
             if self.error is not None:
@@ -41,7 +45,7 @@ class RequestOutputCollector:
         output, self.output = self.output, None
         return output
 
-    def get_nowait(self) -> RequestOutput | None:
+    def get_nowait(self) -> _Out | None:
         if self.error is not None and self.output is None:
             raise self.error
         output, self.output = self.output, None

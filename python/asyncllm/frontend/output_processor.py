@@ -4,7 +4,7 @@ an `n > 1` request.
 
 One loop per step over that step's outputs, around one call of the Rust
 detokenizer for all of them (which runs without the GIL); this is the front end's
-hot path.
+hot path. Embedding requests never enter it: `pooling_outputs` finishes them.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm._core import Detokenizer, Logprobs, OutputBatch
+from asyncllm.frontend.pooling_outputs import EmbeddingState, PoolingOutputs
 from asyncllm.frontend.tokenizer import Tokenizer
-from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncllm.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.tracing import Tracer, now_ns
 
 # An output batch's finish reasons, stop reasons and errors, one entry per row.
 _Ends = tuple[list[Any], list[int | None], list[str | None]]
+# What a step gives a request: a completion's output, or an embedding.
+AnyRequestOutput = RequestOutput | EmbeddingRequestOutput
 
 
 @dataclass
@@ -68,6 +71,7 @@ class OutputProcessor:
         self.detokenizer = Detokenizer(tokenizer.path)
         self.children: dict[int, ChildState] = {}
         self._num_with_logprobs = 0  # live children asking for (prompt) logprobs
+        self.pooling = PoolingOutputs()  # the open embedding requests
 
     def add_request(self, parent: ParentState, core_ids: list[int]) -> None:
         params = parent.params
@@ -91,12 +95,23 @@ class OutputProcessor:
             parent.children.append(child)
             self.children[core_id] = child
 
-    def has_unfinished(self) -> bool:
-        return bool(self.children)
+    def add_embedding(self, state: EmbeddingState) -> None:
+        self.pooling.add(state)
 
-    def process_outputs(self, batch: OutputBatch) -> tuple[list[RequestOutput], list[int]]:
-        """Absorb one step's outputs. Returns the RequestOutputs due now and the core
-        ids of requests a stop string just finished, which the core must abort."""
+    def has_unfinished(self) -> bool:
+        return bool(self.children) or bool(self.pooling.requests)
+
+    def process_outputs(self, batch: OutputBatch) -> tuple[list[AnyRequestOutput], list[int]]:
+        """Absorb one step's outputs. Returns the outputs due now and the core ids
+        of requests a stop string just finished, which the core must abort."""
+        if self.pooling.requests:
+            embedded = self.pooling.process(batch)
+            outputs, stopped = self._process_completions(batch)
+            return [*embedded, *outputs], stopped
+        return self._process_completions(batch)
+
+    def _process_completions(self, batch: OutputBatch) -> tuple[list[AnyRequestOutput], list[int]]:
+        """`process_outputs` for the batch's completions."""
         tracer = self.tracer
         if tracer is not None:
             t0 = now_ns()
@@ -149,7 +164,7 @@ class OutputProcessor:
         if tracer is None:
             return [self._make_output(p) for p in due.values()], stopped
         t3 = now_ns()
-        outputs = [self._make_output(p) for p in due.values()]
+        outputs: list[AnyRequestOutput] = [self._make_output(p) for p in due.values()]
         n = len(wire_ids)
         tracer.complete("columns", t0, t1, {"outputs": n})
         tracer.complete("detokenize", t1, t2, {"outputs": n, "stops": len(stops)})
@@ -200,9 +215,13 @@ class OutputProcessor:
             child.parent.error = errors[i] or "the engine core rejected the request"
         self._forget(child)
 
-    def abort(self, core_ids: list[int]) -> list[RequestOutput]:
-        """Finish children the front end gave up on (the caller aborts them in the
-        core). Returns the final outputs of the requests this finishes."""
+    def abort(self, core_ids: list[int]) -> list[AnyRequestOutput]:
+        """Finish children (or embedding requests) the front end gave up on (the
+        caller aborts them in the core). Returns the final outputs of the requests
+        this finishes."""
+        embedded: list[AnyRequestOutput] = []
+        if self.pooling.requests:
+            embedded.extend(self.pooling.abort(core_ids))
         due: dict[str, ParentState] = {}
         for core_id in core_ids:
             child = self.children.get(core_id)
@@ -213,7 +232,7 @@ class OutputProcessor:
             self._forget(child)
             if child.parent.finished:
                 due[child.parent.request_id] = child.parent
-        return [self._make_output(p) for p in due.values()]
+        return [*embedded, *(self._make_output(p) for p in due.values())]
 
     def _note_cached(self, wire_ids: list[int], cached: dict[int, int]) -> None:
         """Record the prefix-cache hits of requests on their first output. With

@@ -29,6 +29,7 @@ from asyncllm.server.protocol import APIError
 from asyncllm.server.response_store import ResponseStore
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_embeddings import EmbeddingServing
 from asyncllm.server.serving_messages import MessagesServing
 from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.token_text import TokenText
@@ -57,7 +58,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
         store = ResponseStore(config.max_stored_responses, config.max_response_store_bytes)
     responses = ResponsesServing(chat, store)
     messages = MessagesServing(chat)
-    h = Handlers(engine, config, metrics, completions, chat, responses, messages)
+    embeddings = EmbeddingServing(engine, config, metrics, admission, token_text)
+    h = Handlers(engine, config, metrics, completions, chat, responses, messages, embeddings)
     stats_logger = StatsLogger(metrics)
 
     @contextlib.asynccontextmanager
@@ -77,6 +79,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
         Route("/v1/responses/{response_id}", h.delete_response, methods=["DELETE"]),
         Route("/v1/messages", h.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", h.count_message_tokens, methods=["POST"]),
+        Route("/v1/embeddings", h.create_embedding, methods=["POST"]),
         Route("/v1/models", h.list_models, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.get_metrics, methods=["GET"]),
@@ -107,7 +110,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     app.state.metrics = metrics
     app.state.admission = admission
     app.state.handlers = h
-    app.state.servings = (completions, chat)
+    app.state.servings = (completions, chat, embeddings)
     return app
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from asyncllm.errors import ConfigError
+from asyncllm.pooling_params import POOLING_TYPES
 
 MiB = 1 << 20
 
@@ -40,6 +41,8 @@ LIMIT_HELP: dict[str, str] = {
     "max_response_store_bytes": "bytes of stored responses together (with --enable-store)",
     "max_response_input_items": "items in a /v1/responses input (with the conversation "
     "of previous_response_id) or messages in a /v1/messages request",
+    "max_embedding_inputs": "inputs in one /v1/embeddings request",
+    "max_embedding_tokens": "tokens of all the inputs of one /v1/embeddings request together",
 }
 
 
@@ -58,6 +61,10 @@ class ServerConfig:
     reasoning_parser: str | None = None  # splits `<think>` reasoning off (reasoning/)
     # /v1/responses keeps responses (store, previous_response_id) only when set
     enable_store: bool = False
+    # /v1/embeddings: how the final hidden states are pooled ("last" or "mean"),
+    # and whether embeddings are scaled to unit length
+    embedding_pooling: str = "last"
+    embedding_normalize: bool = True
     shutdown_timeout: float = 10.0
     stats_interval: float = 10.0
     ui: bool = True  # the browser page at / and /dashboard (`--no-ui` turns it off)
@@ -85,6 +92,9 @@ class ServerConfig:
     max_stored_responses: int = 1000
     max_response_store_bytes: int = 64 * MiB
     max_response_input_items: int = 1024
+    # OpenAI's own bounds: 2048 inputs, 300k tokens per request
+    max_embedding_inputs: int = 2048
+    max_embedding_tokens: int = 300_000
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +106,11 @@ class ServerConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag}={value!r} is invalid: must be a number >= {minimum}")
+        if self.embedding_pooling not in POOLING_TYPES:
+            raise ConfigError(
+                f"--embedding-pooling={self.embedding_pooling!r} is invalid: must be one of "
+                + ", ".join(POOLING_TYPES)
+            )
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
             raise ConfigError("--max-concurrent-requests must be >= 1")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):

@@ -25,12 +25,14 @@ from asyncllm.server.protocol import (
     bad_request,
     parse_body,
 )
+from asyncllm.server.protocol_embeddings import EmbeddingRequest
 from asyncllm.server.protocol_messages import CountTokensRequest, MessagesRequest
 from asyncllm.server.protocol_responses import ResponsesRequest
 from asyncllm.server.response_store import scope_of
 from asyncllm.server.serving_base import off_loop
 from asyncllm.server.serving_chat import ChatServing
 from asyncllm.server.serving_completions import CompletionServing
+from asyncllm.server.serving_embeddings import EmbeddingServing
 from asyncllm.server.serving_messages import MessagesServing
 from asyncllm.server.serving_responses import ResponsesServing
 from asyncllm.server.serving_tools import template_tools
@@ -61,6 +63,7 @@ class Handlers:
         chat: ChatServing,
         responses: ResponsesServing,
         messages: MessagesServing,
+        embeddings: EmbeddingServing,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -69,6 +72,7 @@ class Handlers:
         self.chat = chat
         self.responses = responses
         self.messages = messages
+        self.embeddings = embeddings
 
     async def core_stats(self) -> dict[str, Any] | None:
         try:
@@ -103,6 +107,10 @@ class Handlers:
     async def count_message_tokens(self, request: Request) -> Response:
         req = parse_body(CountTokensRequest, await request.body())
         return json_response(await self.messages.count_tokens(req))
+
+    async def create_embedding(self, request: Request) -> Response:
+        req = parse_body(EmbeddingRequest, await request.body())
+        return await self.embeddings.create(req, request.receive)
 
     async def list_models(self, request: Request) -> Response:
         """The served names only: the model's local path stays private."""

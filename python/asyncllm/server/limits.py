@@ -175,14 +175,15 @@ class Admission:
         self.limit = limit
         self.num_in_flight = 0
 
-    def admit(self, num_seqs: int) -> Ticket:
+    def admit(self, num_seqs: int, param: str = "n") -> Ticket:
+        """`param`: the field a request over the whole limit is told to lower."""
         limit = self.limit
         if limit is not None:
             if num_seqs > limit:
                 raise bad_request(
                     f"this request runs {num_seqs} sequences (prompts x n); this server runs "
                     f"at most {limit} at once (--max-concurrent-requests)",
-                    "n",
+                    param,
                 )
             if self.num_in_flight + num_seqs > limit:
                 raise APIError(

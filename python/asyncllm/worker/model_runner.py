@@ -34,6 +34,7 @@ from asyncllm.worker.in_flight import InFlightTokens
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.kv_cache import allocate_kv_caches, num_kv_blocks_for
 from asyncllm.worker.linear_select import select_linear_kernels
+from asyncllm.worker.pooling import Pooler, PoolRows
 from asyncllm.worker.prompt_logprobs import PromptLogprobsCollector
 from asyncllm.worker.runner_output import ModelRunnerOutput
 from asyncllm.worker.sampler import Sampler
@@ -143,6 +144,8 @@ class ModelRunner:
             if config.speculative is None
             else SpecDecoder(config, self.num_blocks, self.vocab_size)
         )
+        # Embedding requests: their rows are pooled instead of sampled.
+        self.pooler = Pooler()
         # Set by the engine core: the matchers of constrained requests.
         self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
@@ -155,10 +158,13 @@ class ModelRunner:
         step = self._prepare_inputs(so)
         if step is None:
             return ModelRunnerOutput()
+        pool = self.pooler.split(step)
         masks = self._request_masks(step)
         hidden = self._forward(step)
         out = ModelRunnerOutput()
         self._prompt_logprobs_of(step, hidden, out)
+        if pool is not None:
+            out.pooled = self._pool(step, pool, hidden)
         if not step.sampled.any():
             return out
         sample = _Sample(step)
@@ -247,6 +253,12 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.end_logits()
 
+    @phase("pool")
+    def _pool(self, step: StepInputs, pool: PoolRows, hidden: torch.Tensor) -> dict[int, Any]:
+        """The pooled hidden states of the embedding requests whose prompt ended."""
+        num_prompt = self.input_batch.num_prompt_tokens[step.rows]
+        return self.pooler.pool(step, pool, hidden, num_prompt)
+
     @phase("logits", lambda sample: {"batch": len(sample.req_ids)})
     def _logits(self, sample: _Sample, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of each sampled request's last token."""
@@ -307,6 +319,8 @@ class ModelRunner:
             ib.append_blocks(rid, block_ids)
         for new in so.new_reqs:
             row = ib.add(new)
+            if new.pooling is not None:
+                self.pooler.add(new.req_id, new.pooling)
             if self.spec is not None:
                 self.spec.add(ib, row, new)
             if grammar is not None and new.grammar is not None:
@@ -315,6 +329,7 @@ class ModelRunner:
     def _remove(self, rid: int) -> None:
         row = self.input_batch.rows.get(rid)
         if row is not None:
+            self.pooler.remove(rid)
             self._in_flight.drop(row)
             self.input_batch.remove(rid)
             if self.spec is not None:

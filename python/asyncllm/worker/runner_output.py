@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm.messages import Logprobs
 
@@ -23,6 +24,9 @@ class ModelRunnerOutput:
     # for each request's next step.
     verified: dict[int, list[int]] | None = None
     drafts: dict[int, list[int]] | None = None
+    # Embedding requests whose prompt ended this step: their pooled hidden state
+    # (a float32 numpy vector); nothing was sampled for them.
+    pooled: dict[int, Any] = field(default_factory=dict)
 
     def resolved(self) -> ModelRunnerOutput:
         """This output with `sampled` filled in (waits for the device if needed)."""

@@ -77,6 +77,7 @@ fn request_b() -> AddRequest {
         logit_bias: vec![(7, -100.0), (50_256, 2.5)],
         allowed_token_ids: vec![7, 9, 50_256],
         bad_words_token_ids: vec![vec![11], vec![12, 13]],
+        pooling: Some("mean".into()),
     }
 }
 
@@ -158,6 +159,7 @@ fn ready_error_shutdown() {
             block_size: 16,
             vocab_size: 32_000,
             eos_token_ids: vec![2],
+            hidden_size: 4096,
         }),
     );
     assert_fixture(
@@ -228,6 +230,14 @@ fn output_batches() {
                     wire_id: 5,
                     new_token_ids: vec![],
                     finish_reason: Some(FinishReason::Abort),
+                    ..RequestOutput::default()
+                },
+                RequestOutput {
+                    wire_id: 6,
+                    new_token_ids: vec![],
+                    finish_reason: Some(FinishReason::Stop),
+                    num_cached_tokens: Some(16),
+                    embedding: Some(vec![0.5, -1.25, 3.0]),
                     ..RequestOutput::default()
                 },
             ],

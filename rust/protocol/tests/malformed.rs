@@ -40,6 +40,7 @@ fn add_request_fields() -> Vec<Field> {
         Box::new(|w| w.nil()),
         Box::new(|w| w.u32s(&[], "").unwrap()),
         Box::new(|w| w.nil()),
+        Box::new(|w| w.nil()),
     ]
 }
 
@@ -325,10 +326,11 @@ fn output_batch_frame(output_fields: impl Fn(&mut Writer)) -> Vec<u8> {
 #[test]
 fn output_batch_problems() {
     let unknown_reason = output_batch_frame(|w| {
-        w.array_len(8, "").unwrap();
+        w.array_len(9, "").unwrap();
         w.uint(1);
         w.u32s(&[5], "").unwrap();
         w.uint(9);
+        w.nil();
         w.nil();
         w.nil();
         w.nil();
@@ -340,7 +342,7 @@ fn output_batch_problems() {
         "malformed frame: OutputBatch.outputs[0].finish_reason: unknown finish reason 9"
     );
     let bad_shape = output_batch_frame(|w| {
-        w.array_len(8, "").unwrap();
+        w.array_len(9, "").unwrap();
         w.uint(1);
         w.u32s(&[5], "").unwrap();
         w.nil();
@@ -354,10 +356,26 @@ fn output_batch_problems() {
         w.u32s(&[0; 1], "").unwrap();
         w.nil();
         w.nil();
+        w.nil();
     });
     assert_eq!(
         err(&bad_shape),
         "malformed frame: OutputBatch.outputs[0].logprobs: 2 positions need 2 ranks, got 1"
+    );
+    let ragged_embedding = output_batch_frame(|w| {
+        w.array_len(9, "").unwrap();
+        w.uint(1);
+        w.u32s(&[], "").unwrap();
+        w.uint(0);
+        for _ in 0..5 {
+            w.nil();
+        }
+        w.bin(&[0; 6], "").unwrap();
+    });
+    assert_eq!(
+        err(&ragged_embedding),
+        "malformed frame: OutputBatch.outputs[0].embedding: array of 4-byte items has 6 bytes, \
+         not a multiple of 4"
     );
     let bad_stats = frame(MessageType::OutputBatch, |w| {
         w.array_len(3, "").unwrap();

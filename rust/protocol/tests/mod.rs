@@ -123,6 +123,7 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         logit_bias: rng.u32s(3).into_iter().map(|t| (t, rng.f32())).collect(),
         allowed_token_ids: rng.u32s(4),
         bad_words_token_ids: (0..rng.below(3)).map(|_| rng.u32s(3)).collect(),
+        pooling: rng.opt(|r| ["last", "mean"][r.below(2) as usize].to_string()),
     }
 }
 
@@ -152,6 +153,7 @@ pub fn random_output_batch(rng: &mut Rng) -> OutputBatch {
                 logprobs: rng.opt(random_logprobs),
                 prompt_logprobs: rng.opt(random_logprobs),
                 num_cached_tokens: rng.opt(|r| r.edgy_u64() as u32),
+                embedding: rng.opt(|r| (0..r.below(9)).map(|_| r.f32()).collect()),
             })
             .collect(),
         stats: SchedulerStats {
@@ -214,6 +216,7 @@ pub fn random_message(rng: &mut Rng) -> Message {
             block_size: rng.u32(),
             vocab_size: rng.u32(),
             eos_token_ids: rng.u32s(3),
+            hidden_size: rng.u32(),
         }),
         5 => Message::EngineError {
             message: rng.string(100),

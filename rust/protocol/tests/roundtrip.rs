@@ -99,6 +99,7 @@ fn edge_cases_round_trip() {
                     ranks: vec![1, u32::MAX],
                 }),
                 num_cached_tokens: Some(u32::MAX),
+                embedding: Some(vec![-0.0, f32::MAX, f32::MIN_POSITIVE]),
             }],
             stats: SchedulerStats {
                 num_running: u32::MAX,
@@ -191,6 +192,7 @@ fn output_batch_writer_matches_owned_encoder_and_checks_count() {
             logprobs: o.logprobs.as_ref().map(|lp| lp.as_ref()),
             prompt_logprobs: o.prompt_logprobs.as_ref().map(|lp| lp.as_ref()),
             num_cached_tokens: o.num_cached_tokens,
+            embedding: o.embedding.as_deref(),
         })
         .unwrap();
     }

@@ -25,7 +25,7 @@ impl PyAddRequest {
         stop_token_ids=None, ignore_eos=false, logprobs=None, prompt_logprobs=None,
         repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
         cache_salt=None, structured_outputs=None, logit_bias=None, allowed_token_ids=None,
-        bad_words_token_ids=None
+        bad_words_token_ids=None, pooling=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -52,6 +52,7 @@ impl PyAddRequest {
         logit_bias: Option<&Bound<'_, PyAny>>,
         allowed_token_ids: Option<&Bound<'_, PyAny>>,
         bad_words_token_ids: Option<&Bound<'_, PyAny>>,
+        pooling: Option<String>,
     ) -> PyResult<Self> {
         Ok(PyAddRequest(Arc::new(protocol::AddRequest {
             wire_id,
@@ -101,6 +102,7 @@ impl PyAddRequest {
                     .map_err(wire_err)?,
                 None => Vec::new(),
             },
+            pooling,
         })))
     }
 
@@ -222,6 +224,12 @@ impl PyAddRequest {
     #[getter]
     fn bad_words_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         kinds::u32_lists_list(py, &self.0.bad_words_token_ids)
+    }
+    /// None: generate. "last" or "mean": an embedding request, whose prompt's final
+    /// hidden states are pooled that way and sent back; nothing is sampled.
+    #[getter]
+    fn pooling(&self) -> Option<&str> {
+        self.0.pooling.as_deref()
     }
     #[getter]
     fn num_prompt_tokens(&self) -> usize {

@@ -28,6 +28,47 @@ struct Columns {
     logprobs: Option<LogprobsColumn>,
     prompt_logprobs: Option<LogprobsColumn>,
     num_cached_tokens: Option<Vec<Option<u32>>>,
+    embeddings: Option<EmbeddingColumn>,
+}
+
+/// An embeddings column: every vector appended to one flat buffer.
+#[derive(Default)]
+struct EmbeddingColumn {
+    /// Output i's vector is `values[start..end]` for `spans[i] == Some((start, end))`.
+    spans: Vec<Option<(usize, usize)>>,
+    values: Vec<f32>,
+}
+
+impl EmbeddingColumn {
+    fn get(&self, i: usize) -> Option<&[f32]> {
+        self.spans[i].map(|(start, end)| &self.values[start..end])
+    }
+}
+
+/// Extracts an optional embeddings column of `n` entries, each None or a
+/// sequence of floats (a float32 numpy vector is copied as one buffer).
+fn embedding_column(
+    obj: Option<&Bound<'_, PyAny>>,
+    n: usize,
+) -> Result<Option<EmbeddingColumn>, WireError> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let path = || "OutputBatch.embeddings".to_string();
+    expect_len(obj, n, &path)?;
+    let mut column = EmbeddingColumn::default();
+    column.spans.reserve(n);
+    extract::for_each(obj, &path, |i, item| {
+        if item.is_none() {
+            column.spans.push(None);
+            return Ok(());
+        }
+        let start = column.values.len();
+        extract::f32s_into(item, &mut column.values, &|| format!("{}[{i}]", path()))?;
+        column.spans.push(Some((start, column.values.len())));
+        Ok(())
+    })?;
+    Ok(Some(column))
 }
 
 /// A logprobs column: every request's arrays appended to shared flat buffers,
@@ -187,6 +228,7 @@ fn extract_columns(
     logprobs: Option<&Bound<'_, PyAny>>,
     prompt_logprobs: Option<&Bound<'_, PyAny>>,
     num_cached_tokens: Option<&Bound<'_, PyAny>>,
+    embeddings: Option<&Bound<'_, PyAny>>,
 ) -> Result<Columns, WireError> {
     let mut c = Columns {
         wire_ids: extract::u64s(wire_ids, &|| "OutputBatch.wire_ids".into())?,
@@ -227,6 +269,7 @@ fn extract_columns(
             extract::u32_(r, || format!("OutputBatch.num_cached_tokens[{i}]"))
         })
     })?;
+    c.embeddings = embedding_column(embeddings, n)?;
     Ok(c)
 }
 
@@ -247,6 +290,7 @@ fn encode_columns(
             logprobs: c.logprobs.as_ref().and_then(|col| col.get(i)),
             prompt_logprobs: c.prompt_logprobs.as_ref().and_then(|col| col.get(i)),
             num_cached_tokens: c.num_cached_tokens.as_ref().and_then(|v| v[i]),
+            embedding: c.embeddings.as_ref().and_then(|col| col.get(i)),
         })?;
     }
     w.finish(stats, timestamp)
@@ -256,7 +300,7 @@ fn encode_columns(
 #[pyfunction]
 #[pyo3(signature = (
     wire_ids, new_token_ids, stats, timestamp, *, finish_reasons=None, stop_reasons=None,
-    errors=None, logprobs=None, prompt_logprobs=None, num_cached_tokens=None
+    errors=None, logprobs=None, prompt_logprobs=None, num_cached_tokens=None, embeddings=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn encode_output_batch<'py>(
@@ -271,6 +315,7 @@ pub fn encode_output_batch<'py>(
     logprobs: Option<&Bound<'py, PyAny>>,
     prompt_logprobs: Option<&Bound<'py, PyAny>>,
     num_cached_tokens: Option<&Bound<'py, PyAny>>,
+    embeddings: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let columns = extract_columns(
         wire_ids,
@@ -281,6 +326,7 @@ pub fn encode_output_batch<'py>(
         logprobs,
         prompt_logprobs,
         num_cached_tokens,
+        embeddings,
     )
     .map_err(wire_err)?;
     let stats = stats.get().to_rust();
@@ -395,6 +441,16 @@ impl PyOutputBatch {
     fn num_cached_tokens(&self) -> HashMap<usize, u32> {
         let counts = self.batch.num_cached_tokens.iter().enumerate();
         counts.filter_map(|(i, n)| n.map(|n| (i, n))).collect()
+    }
+
+    /// Output index -> the pooled vector of each embedding request's (final)
+    /// output; empty in steps without one.
+    #[getter]
+    fn embeddings(&self) -> HashMap<usize, Vec<f32>> {
+        let vectors = self.batch.embeddings.iter().enumerate();
+        vectors
+            .filter_map(|(i, v)| v.clone().map(|v| (i, v)))
+            .collect()
     }
 
     /// Indices of the outputs whose request finished in this step.

@@ -119,13 +119,16 @@ pub struct PyReady(pub protocol::Ready);
 #[pymethods]
 impl PyReady {
     #[new]
-    #[pyo3(signature = (*, max_model_len, num_kv_blocks, block_size, vocab_size, eos_token_ids))]
+    #[pyo3(signature = (
+        *, max_model_len, num_kv_blocks, block_size, vocab_size, eos_token_ids, hidden_size
+    ))]
     fn new(
         max_model_len: u32,
         num_kv_blocks: u32,
         block_size: u32,
         vocab_size: u32,
         eos_token_ids: &Bound<'_, PyAny>,
+        hidden_size: u32,
     ) -> PyResult<Self> {
         let eos_token_ids =
             extract::u32s(eos_token_ids, &|| "Ready.eos_token_ids".into()).map_err(wire_err)?;
@@ -135,6 +138,7 @@ impl PyReady {
             block_size,
             vocab_size,
             eos_token_ids,
+            hidden_size,
         }))
     }
     #[getter]
@@ -156,6 +160,10 @@ impl PyReady {
     #[getter]
     fn eos_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         u32_list(py, &self.0.eos_token_ids)
+    }
+    #[getter]
+    fn hidden_size(&self) -> u32 {
+        self.0.hidden_size
     }
     fn __repr__(&self) -> String {
         format!("{:?}", self.0)

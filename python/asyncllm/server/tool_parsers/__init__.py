@@ -2,7 +2,9 @@
 each turns a model's text into content and OpenAI `tool_calls`, whole or as
 streamed deltas. `hermes` reads the `<tool_call>{...}</tool_call>` blocks of
 Hermes and Qwen models, `llama3_json` the bare JSON calls of Llama 3.x,
-`pythonic` lists of Python calls (`[f(x=1), g()]`); `forced`
+`pythonic` lists of Python calls (`[f(x=1), g()]`), `mistral` the calls after
+Mistral's `[TOOL_CALLS]`, `qwen3_coder` Qwen3-Coder's
+`<tool_call><function=NAME><parameter=KEY>` blocks; `forced`
 holds the parsers for output constrained by `tool_choice` "required" or a named
 function."""
 
@@ -18,7 +20,9 @@ from asyncllm.server.tool_parsers.base import (
 )
 from asyncllm.server.tool_parsers.hermes import HermesToolParser
 from asyncllm.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from asyncllm.server.tool_parsers.mistral import MistralToolParser
 from asyncllm.server.tool_parsers.pythonic import PythonicToolParser
+from asyncllm.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 DEFAULT_TOOL_PARSER = "hermes"
 _REGISTRY: dict[str, type[ToolParser]] = {}
@@ -46,7 +50,9 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 register(HermesToolParser)
 register(Llama3JsonToolParser)
+register(MistralToolParser)
 register(PythonicToolParser)
+register(Qwen3CoderToolParser)
 
 __all__ = [
     "DEFAULT_TOOL_PARSER",

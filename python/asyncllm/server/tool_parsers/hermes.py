@@ -51,7 +51,7 @@ _MAX_HEADER_CHARS = 1024
 _DECODER = json.JSONDecoder()
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (not all of it)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -162,7 +162,7 @@ class HermesToolParser(ToolParser):
             if self._block is None:
                 i = self._buf.find(OPEN)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, OPEN)
+                    keep = 0 if final else partial_suffix(self._buf, OPEN)
                     self._content(out, self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     return out
@@ -220,7 +220,7 @@ class HermesToolParser(ToolParser):
                 return
             self._start_call(out, block, name)
             block.args_start = block.sent_to = match.end()
-        end = _strip_end(body, len(body) - _partial_suffix(body, CLOSE), block.sent_to)
+        end = _strip_end(body, len(body) - partial_suffix(body, CLOSE), block.sent_to)
         if end > block.args_start and body[end - 1] == "}":  # perhaps the block's own
             end = _strip_end(body, end - 1, block.sent_to)
         end = min(end, block.args_start + MAX_CALL_CHARS)

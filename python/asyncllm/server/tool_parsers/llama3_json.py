@@ -34,7 +34,7 @@ _HEADER = re.compile(
 _WS = " \t\n\r"
 
 
-class _Scan:
+class JsonScan:
     """Incremental JSON nesting of the object being read: each character once."""
 
     def __init__(self) -> None:
@@ -78,10 +78,10 @@ class Llama3JsonToolParser(ToolParser):
         self._text = ""  # the whole output so far
         self._mode = ""  # "" undecided, "calls", "content"
         self._start = 0  # where the object being read begins
-        self._scan = _Scan()
+        self._scan = JsonScan()
         self._index = -1  # the streamed call of the open object (-1: none)
         self._args = (0, 0)  # the open call's arguments: start, end sent to
-        self._args_scan: _Scan | None = None  # where they end, scanned as they come
+        self._args_scan: JsonScan | None = None  # where they end, scanned as they come
         self._num_calls = 0
         self._broken = False  # the objects stopped being calls: the rest is content
         self._in_object = False  # an object began at `_start`
@@ -146,7 +146,7 @@ class Llama3JsonToolParser(ToolParser):
         if self._index < 0 and not self._close(out, text[self._start : end]):
             self._not_calls(self._start)
             return False
-        self._start, self._scan, self._index, self._in_object = end, _Scan(), -1, False
+        self._start, self._scan, self._index, self._in_object = end, JsonScan(), -1, False
         return True
 
     def _try_header(self, out: ParserDelta) -> None:
@@ -165,7 +165,7 @@ class Llama3JsonToolParser(ToolParser):
         out.tool_calls.append(ToolCallDelta(self._index, new_call_id(), name, ""))
         start = self._start + match.end()
         self._args = (start, start)
-        self._args_scan = _Scan()
+        self._args_scan = JsonScan()
         self._args_scan.pos = start
 
     def _stream_args(self, out: ParserDelta) -> None:
