@@ -11,6 +11,7 @@ from asyncllm.errors import (
     ModelLoadError,
     OutputProcessingError,
 )
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.structured_output.params import StructuredOutputsParams
@@ -49,6 +50,7 @@ __all__ = [
     "EngineStartupError",
     "InvalidRequestError",
     "Logprob",
+    "LoRARequest",
     "ModelLoadError",
     "OutputProcessingError",
     "RequestOutput",

@@ -26,6 +26,10 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
+    # its LoRA adapter (asyncllm.lora.LoRARequest's fields); 0: the base model
+    lora_int_id: int = 0
+    lora_name: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(slots=True)

@@ -22,6 +22,8 @@ class NewRequestData:
     stop_token_ids: frozenset[int]
     # the compiled output constraint (`_core.Grammar`), or None
     grammar: Any = None
+    # its adapter (`lora.adapters.LoadedAdapter`), or None: the base model
+    lora: Any = None
 
 
 @dataclass(slots=True)

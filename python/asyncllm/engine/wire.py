@@ -42,6 +42,9 @@ def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
         logit_bias=p.logit_bias or None,
         allowed_token_ids=p.allowed_token_ids,
         bad_words_token_ids=p.bad_words_token_ids,
+        lora_int_id=req.lora_int_id,
+        lora_name=req.lora_name,
+        lora_path=req.lora_path,
     )
 
 
@@ -71,5 +74,12 @@ def from_wire(add: AddRequest) -> EngineCoreRequest:
         bad_words_token_ids=add.bad_words_token_ids,
     )
     return EngineCoreRequest(
-        add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority
+        add.wire_id,
+        add.prompt_token_ids,
+        params,
+        add.arrival_time,
+        add.priority,
+        add.lora_int_id,
+        add.lora_name,
+        add.lora_path,
     )

@@ -77,6 +77,9 @@ fn request_b() -> AddRequest {
         logit_bias: vec![(7, -100.0), (50_256, 2.5)],
         allowed_token_ids: vec![7, 9, 50_256],
         bad_words_token_ids: vec![vec![11], vec![12, 13]],
+        lora_int_id: 7,
+        lora_name: Some("sql-β".into()),
+        lora_path: Some("/adapters/sql".into()),
     }
 }
 

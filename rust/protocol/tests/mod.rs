@@ -123,6 +123,9 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         logit_bias: rng.u32s(3).into_iter().map(|t| (t, rng.f32())).collect(),
         allowed_token_ids: rng.u32s(4),
         bad_words_token_ids: (0..rng.below(3)).map(|_| rng.u32s(3)).collect(),
+        lora_int_id: rng.edgy_u64() as u32,
+        lora_name: rng.opt(|r| r.string(20)),
+        lora_path: rng.opt(|r| r.string(40)),
     }
 }
 
