@@ -32,9 +32,9 @@ pub struct LoraShape {
     pub slots: usize,
 }
 
-/// `y[t] += (x[t] · a[s]) · b[s]` for each token `t` with slot `s = token_slot[t]`
-/// >= 0, on `num_threads` threads of the kernel team. Checks every size and slot
-/// first; on error `y` is untouched.
+/// `y[t] += (x[t] · a[s]) · b[s]` for each token `t` whose slot `s = token_slot[t]`
+/// is not -1, on `num_threads` threads of the kernel team. Checks every size and
+/// slot first; on error `y` is untouched.
 pub fn lora_add<E: Elem>(
     shape: LoraShape,
     y: &mut [E],
@@ -174,5 +174,84 @@ fn axpy<S: Simd, E: Elem>(acc: &mut [f32], alpha: f32, w: &[E]) {
     }
     for (o, v) in acc[whole..].iter_mut().zip(&w[whole..]) {
         *o = S::scalar_fma(alpha, v.to_f32(), *o);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small deterministic generator: values in [-1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn mixed_slots_match_the_per_token_products() {
+        let shape = LoraShape {
+            tokens: 11,
+            k: 19,
+            width: 12,
+            n: 21,
+            slots: 3,
+        };
+        let x = values(shape.tokens * shape.k, 1);
+        let a = values(shape.slots * shape.k * shape.width, 2);
+        let b = values(shape.slots * shape.width * shape.n, 3);
+        let y0 = values(shape.tokens * shape.n, 4);
+        let slots = [2, -1, 0, 2, 1, 1, -1, 0, 2, 2, 0];
+        for threads in [1, 3] {
+            let mut y = y0.clone();
+            lora_add(shape, &mut y, &x, &a, &b, &slots, threads).unwrap();
+            for (t, &s) in slots.iter().enumerate() {
+                for o in 0..shape.n {
+                    let mut want = y0[t * shape.n + o] as f64;
+                    if s >= 0 {
+                        let s = s as usize;
+                        for j in 0..shape.width {
+                            let h: f64 = (0..shape.k)
+                                .map(|i| {
+                                    x[t * shape.k + i] as f64
+                                        * a[(s * shape.k + i) * shape.width + j] as f64
+                                })
+                                .sum();
+                            want += h * b[(s * shape.width + j) * shape.n + o] as f64;
+                        }
+                    }
+                    let got = y[t * shape.n + o] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "token {t} out {o}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_slot_is_refused_before_writing() {
+        let shape = LoraShape {
+            tokens: 2,
+            k: 3,
+            width: 2,
+            n: 4,
+            slots: 1,
+        };
+        let mut y = vec![1.0f32; 8];
+        let (x, a, b) = (vec![1.0f32; 6], vec![1.0f32; 6], vec![1.0f32; 8]);
+        let err = lora_add(shape, &mut y, &x, &a, &b, &[0, 1], 1).unwrap_err();
+        assert!(
+            err.to_string().contains("token 1 has slot 1, not in -1..1"),
+            "{err}"
+        );
+        assert!(y.iter().all(|&v| v == 1.0));
     }
 }
