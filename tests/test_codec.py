@@ -671,9 +671,9 @@ def test_truncated_token_array_names_field_and_sizes() -> None:
     frame = encode_add_request(AddRequest(5, [7] * 1024))
     with pytest.raises(
         WireError,
-        match=r"^truncated frame: AddRequests\[0\]\.prompt_token_ids needs 4096 bytes, 20 left$",
+        match=r"^truncated frame: AddRequests\[0\]\.prompt_token_ids needs 4096 bytes, 30 left$",
     ):
-        decode_message(frame[: 2 + 1 + 3 + 1 + 3 + 20])
+        decode_message(frame[: 2 + 1 + 3 + 1 + 3 + 30])
 
 
 def test_every_truncation_is_rejected() -> None:

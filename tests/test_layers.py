@@ -1,8 +1,9 @@
 """The package imports downward only: cli -> server -> frontend -> engine -> executor ->
-core/worker -> models, and the top-level leaf modules (messages, config, tokenizer_files, errors,
-...) import nothing but other leaves; and no two modules import each other, directly
-or around a circle. Checked on the source, lazy and TYPE_CHECKING imports included,
-so an upward or circular import cannot hide in a function."""
+core/worker -> lora -> models, and the top-level leaf modules (messages, config,
+tokenizer_files, errors, ...) import nothing but other leaves; and no two modules
+import each other, directly or around a circle. Checked on the source, lazy and
+TYPE_CHECKING imports included, so an upward or circular import cannot hide in a
+function."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from pathlib import Path
 import asyncllm
 
 RANKS = {
-    "cli": 7,
-    "server": 6,
-    "frontend": 5,
-    "engine": 4,
-    "executor": 3,
-    "core": 2,
-    "worker": 2,
+    "cli": 8,
+    "server": 7,
+    "frontend": 6,
+    "engine": 5,
+    "executor": 4,
+    "core": 3,
+    "worker": 3,
+    "lora": 2,
     "models": 1,
 }
 # The one sideways import allowed: the runners read the scheduler's plan.

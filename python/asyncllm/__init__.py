@@ -11,6 +11,7 @@ from asyncllm.errors import (
     ModelLoadError,
     OutputProcessingError,
 )
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -58,6 +59,7 @@ __all__ = [
     "EngineStartupError",
     "InvalidRequestError",
     "Logprob",
+    "LoRARequest",
     "ModelLoadError",
     "OutputProcessingError",
     "PoolingParams",

@@ -83,6 +83,9 @@ class AddRequest:
         allowed_token_ids: _Ints | None = None,
         bad_words_token_ids: Iterable[_Ints] | None = None,
         pooling: str | None = None,
+        lora_int_id: int = 0,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> Self: ...
     @property
     def wire_id(self) -> int:
@@ -160,6 +163,15 @@ class AddRequest:
         """None: generate. "last" or "mean": an embedding request, whose prompt's final hidden
         states are pooled that way and sent back; nothing is sampled.
         """
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (LoRARequest.lora_int_id); 0: the base model."""
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter's name, with lora_int_id."""
+    @property
+    def lora_path(self) -> str | None:
+        """The adapter's PEFT directory, with lora_int_id."""
     @property
     def num_prompt_tokens(self) -> int: ...
 
@@ -555,6 +567,17 @@ def _linear(out: _Buffer, x: _Buffer, w: _Buffer, bias: _Buffer | None, num_thre
     All C-contiguous, out writable and apart from w. Raises ValueError on a wrong
     dtype, shape or layout, before anything is written. Private: the one caller
     (asyncllm.models.linear_kernels) promises no thread writes w or out meanwhile."""
+
+def _lora_add(
+    y: _Buffer, x: _Buffer, a: _Buffer, b: _Buffer, token_slot: _Buffer, num_threads: int
+) -> None:
+    """y[t] += (x[t] . A[s]) . B[s] for each token t whose slot s = token_slot[t]
+    (int64) is not -1 (rust/kernels/lora.rs), tokens grouped by slot, on the kernel
+    team with the GIL released. y [t, n], x [t, k], a [slots * k, width], b
+    [slots * width, n] share a dtype: float32, or bfloat16 as its bits (int16).
+    Raises ValueError on a wrong dtype, shape, layout or slot, before anything is
+    written. Private: the one caller (asyncllm.lora.kernel) promises y is a fresh
+    output and nothing writes x, a or b meanwhile."""
 
 def _gguf_dequantize(qtype_name: str, raw: _Buffer, out: _Buffer) -> None:
     """out[rows, k] = the GGUF blocks raw[rows, row_bytes] (uint8) of type

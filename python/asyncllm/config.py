@@ -142,6 +142,15 @@ class EngineArgs:
     # text; None: off. Needs overlap scheduling off (None turns it off) and one
     # tensor-parallel rank.
     speculative_config: dict[str, Any] | str | None = None
+    # LoRA adapters (vLLM's names; asyncllm.lora): serve requests that name an
+    # adapter (`LoRARequest`) beside base-model requests in one batch. `max_loras`
+    # adapters fit in a step (their weights sit in that many device slots),
+    # `max_cpu_loras` stay loaded on the host (LRU; default max_loras), and no
+    # adapter may have a rank above `max_lora_rank` (the slots' width).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str | Path) or not str(self.model):
@@ -172,6 +181,8 @@ class EngineArgs:
         self.speculative_config = None if spec is None else spec.to_dict()
         if spec is not None:
             _check_speculative(self, spec)
+        if self.enable_lora:
+            _check_lora(self)
 
     def to_json(self) -> str:
         """The arguments as JSON: how they reach the engine-core process (no pickle)."""
@@ -261,6 +272,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             fused_decode=self.fused_decode and not self.batch_invariant and not self.compile,
             speculative=spec,
+            lora=LoRAConfig.of(self) if self.enable_lora else None,
         )
 
 
@@ -297,6 +309,7 @@ class EngineConfig:
     batch_invariant: bool = False
     fused_decode: bool = True
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: enable_lora is off
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -315,6 +328,34 @@ class EngineConfig:
         import torch
 
         return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The LoRA settings of an engine with `enable_lora` (see EngineArgs)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+    @classmethod
+    def of(cls, args: EngineArgs) -> LoRAConfig:
+        cpu = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+        return cls(args.max_loras, args.max_lora_rank, cpu)
+
+
+def _check_lora(args: EngineArgs) -> None:
+    """What LoRA serving does not run with yet: the fields that must change."""
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise _fail("max_cpu_loras", args.max_cpu_loras, f">= max_loras ({args.max_loras})")
+    if args.tensor_parallel_size > 1:
+        raise _fail(
+            "tensor_parallel_size",
+            args.tensor_parallel_size,
+            "1 with enable_lora (LoRA weights are not sharded over ranks yet)",
+        )
+    if args.executor == "null":
+        raise _fail("executor", args.executor, "'torch' with enable_lora")
 
 
 def _check_speculative(args: EngineArgs, spec: SpeculativeConfig) -> None:

@@ -25,6 +25,9 @@ QUANTIZATIONS = ("int8", "int4")
 MAX_BLOCK_SIZE = 256
 MAX_DATA_PARALLEL = 64
 MAX_TENSOR_PARALLEL = 64
+MAX_LORAS = 256  # adapters in one step (device slots)
+MAX_LORA_RANK = 512
+MAX_CPU_LORAS = 4096
 
 
 def fail(name: str, value: object, allowed: str) -> ConfigError:
@@ -131,6 +134,10 @@ RULES: tuple[Rule, ...] = (
     boolean("pin_threads", optional=True),
     one_of("omp_wait_policy", OMP_WAIT_POLICIES),
     boolean("prefix_aware_routing"),
+    boolean("enable_lora"),
+    integer("max_loras", 1, MAX_LORAS),
+    integer("max_lora_rank", 1, MAX_LORA_RANK),
+    integer("max_cpu_loras", 1, MAX_CPU_LORAS, optional=True),
     one_of("data_parallel_backend", DATA_PARALLEL_BACKENDS),
     Rule(
         "data_parallel_address",

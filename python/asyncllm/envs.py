@@ -91,6 +91,13 @@ def linear_kernel() -> str:
     return os.environ.get("ASYNCLLM_LINEAR_KERNEL", "").strip().lower() or "auto"
 
 
+def lora_kernel() -> str:
+    """ASYNCLLM_LORA_KERNEL (default "auto"): the LoRA shrink/expand of every adapted
+    layer, "rust", "torch" or "auto" (rust on the CPU; asyncllm.lora.kernel.choose,
+    which checks it)."""
+    return os.environ.get("ASYNCLLM_LORA_KERNEL", "").strip().lower() or "auto"
+
+
 def gguf_kernel() -> str:
     """ASYNCLLM_GGUF_KERNEL (default "auto"): the kernel of every GGUF linear layer
     at every row count, "int", "float" (the float-activation reference), "tiles" or

@@ -30,6 +30,10 @@ class EngineCoreRequest:
     # None: generate. "last" / "mean" (pooling_params.POOLING_TYPES): an embedding
     # request; the core pools its prompt's hidden states and samples nothing.
     pooling: str | None = None
+    # its LoRA adapter (asyncllm.lora.LoRARequest's fields); 0: the base model
+    lora_int_id: int = 0
+    lora_name: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ use crate::error::Error;
 use crate::kernels::{self, Elem, LinearShape};
 
 /// A 2-D operand: float32, or bfloat16 as its bits (int16).
-enum Operand {
+pub(super) enum Operand {
     F32(PyBuffer<f32>),
     Bf16(PyBuffer<i16>),
 }
@@ -20,7 +20,7 @@ enum Operand {
 impl Operand {
     /// The buffer, typed by its format: one export and no failed attempt on the
     /// per-step path (a decode step makes a few hundred of these calls).
-    fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+    pub(super) fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
         let raw = PyUntypedBuffer::get(obj).map_err(|_| {
             PyValueError::new_err(format!(
                 "{name} must support the buffer protocol (pass tensor.numpy())"
@@ -55,7 +55,7 @@ impl Operand {
         Ok(op)
     }
 
-    fn shape(&self) -> &[usize] {
+    pub(super) fn shape(&self) -> &[usize] {
         match self {
             Operand::F32(b) => b.shape(),
             Operand::Bf16(b) => b.shape(),

@@ -9,6 +9,7 @@ mod errors;
 mod gguf;
 mod kernels;
 mod linear;
+mod lora;
 mod mask_job;
 mod peak;
 mod prefix_hash;
@@ -42,6 +43,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     elementwise::register(m)?;
     kernels::register(m)?;
     linear::register(m)?;
+    lora::register(m)?;
     peak::register(m)?;
     prefix_hash::register(m)?;
     sampler::register(m)?;

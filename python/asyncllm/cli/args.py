@@ -94,6 +94,12 @@ ENGINE_HELP: dict[str, str] = {
     ' "prompt_lookup_max": 5}\' (off by default; needs --no-async-scheduling or its default)',
     "collect_step_timings": "keep the engine core's per-step timers for get_step_timings "
     "(benchmarks)",
+    "enable_lora": "serve LoRA adapters (PEFT format) beside the base model: a request picks"
+    " one by name (serve: --lora-modules, the request's model field)",
+    "max_loras": "most distinct LoRA adapters in one step (their device slots)",
+    "max_lora_rank": "highest LoRA rank an adapter may have (the slots' width)",
+    "max_cpu_loras": "LoRA adapters kept loaded on the host, least recently used evicted"
+    " (default: --max-loras)",
 }
 _CHOICES = {
     "dtype": DTYPES,

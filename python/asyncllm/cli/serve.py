@@ -83,6 +83,20 @@ def add_parser(sub: Any) -> None:
         default=10.0,
         help="seconds between stats log lines while busy (0: never)",
     )
+    s.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve, each picked by a request's model "
+        "field (needs --enable-lora)",
+    )
+    s.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API "
+        "key; needs --enable-lora)",
+    )
     _add_page_args(s)
     s.add_argument("--log-level", default="info", help="server log level (default: info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -128,6 +142,7 @@ def run(ns: argparse.Namespace) -> int:
     from asyncllm import envs
     from asyncllm.server.config import LIMIT_HELP, ServerConfig
     from asyncllm.server.launch import run_server
+    from asyncllm.server.lora import parse_lora_modules
     from asyncllm.server.reasoning import get_reasoning_parser
     from asyncllm.server.tool_parsers import get_tool_parser
 
@@ -147,8 +162,12 @@ def run(ns: argparse.Namespace) -> int:
             stats_interval=ns.stats_interval,
             ui=ns.ui,
             root_path=ns.root_path,
+            lora_modules=parse_lora_modules(ns.lora_modules),
+            allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
             **{name: getattr(ns, name) for name in LIMIT_HELP},
         )
+        if (config.lora_modules or config.allow_runtime_lora_updating) and not ns.enable_lora:
+            raise ConfigError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         get_tool_parser(config.tool_call_parser)
         get_reasoning_parser(config.reasoning_parser)
     except ConfigError as exc:

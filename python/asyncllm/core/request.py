@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,6 +19,10 @@ BlockHash = bytes
 
 # The parent of the first block of every request without a cache salt.
 _UNSALTED_ROOT = block_hash_root(None)
+# An adapter's requests chain from SHA-256(this || the salt's root || its key): they
+# share blocks only with requests of the same adapter and salt. The domain's first
+# bytes are no digest, so this input is never a block link's (parent || ids).
+_LORA_DOMAIN = b"asyncllm prefix-cache lora root v1\0"
 
 
 class RequestStatus(enum.IntEnum):
@@ -76,6 +81,7 @@ class Request:
         "grammar",
         "spec_token_ids",
         "pooling",
+        "lora",
     )
 
     def __init__(
@@ -91,8 +97,12 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         pooling: str | None = None,
+        lora: Any = None,
     ) -> None:
         self.request_id = request_id
+        # its adapter (`lora.adapters.LoadedAdapter`: `cache_key` keys its blocks),
+        # or None for the base model
+        self.lora = lora
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.all_token_ids = list(prompt_token_ids)
@@ -177,6 +187,9 @@ class Request:
         else:
             salt = self.sampling_params.cache_salt
             parent = _UNSALTED_ROOT if salt is None else block_hash_root(salt)
+            if self.lora is not None:
+                key = self.lora.cache_key.encode()
+                parent = hashlib.sha256(_LORA_DOMAIN + parent + key).digest()
         hashes.extend(hash_blocks(parent, tokens[start:], size))
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from asyncllm._core import SchedulerStats
 from asyncllm.core.kv_cache_manager import KVCacheManager
@@ -47,8 +48,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
+        # LoRA: at most this many distinct adapters among running requests (the
+        # runner's device slots); 0 when LoRA is off
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -211,8 +216,17 @@ class Scheduler:
         windowed = self._windowed
         waiting = self.waiting
         running = self.running
+        adapters: set[Any] | None = None  # LoRA: the running requests' adapters
+        skipped: list[Request] = []  # waiting for an adapter slot, kept in order
         while waiting and plan.budget > 0 and len(running) < self.max_num_seqs:
             request = waiting[0]
+            if request.lora is not None and self.max_loras:
+                if adapters is None:
+                    adapters = {r.lora for r in running if r.lora is not None}
+                if request.lora not in adapters and len(adapters) >= self.max_loras:
+                    skipped.append(waiting.popleft())
+                    continue
+                adapters.add(request.lora)
             computed, num_cached = (
                 kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else ([], 0)
             )
@@ -228,6 +242,7 @@ class Scheduler:
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
             plan.new_reqs.append(self._new_request_data(request, num_cached))
+        waiting.extendleft(reversed(skipped))
 
     def _admit(self, request: Request, num_cached: int) -> None:
         """A waiting request starts running with `num_cached` prompt tokens cached;
@@ -253,6 +268,7 @@ class Scheduler:
             stop_token_ids=request.stop_token_ids,
             grammar=request.grammar,
             pooling=request.pooling,
+            lora=request.lora,
         )
 
     def update_from_output(

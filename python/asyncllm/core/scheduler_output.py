@@ -24,6 +24,8 @@ class NewRequestData:
     grammar: Any = None
     # an embedding request's pooling type ("last" or "mean"); None: it generates
     pooling: str | None = None
+    # its adapter (`lora.adapters.LoadedAdapter`), or None: the base model
+    lora: Any = None
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.scheduler import Scheduler
 from asyncllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages import EngineCoreRequest, SchedulerStats, StepOutputs
 from asyncllm.models.hf_config import kv_window, longrope_original
 from asyncllm.pooling_params import POOLING_TYPES
@@ -30,6 +31,7 @@ from asyncllm.tracing import StepRecorder, TorchProfiler, Tracer
 from asyncllm.worker.null_runner import NullModelRunner
 
 if TYPE_CHECKING:
+    from asyncllm.lora.adapters import LoadedAdapter
     from asyncllm.worker.model_runner import ModelRunner
     from asyncllm.worker.runner_output import ModelRunnerOutput
 
@@ -91,6 +93,7 @@ class EngineCore:
             num_speculative_tokens=(
                 0 if config.speculative is None else config.speculative.num_speculative_tokens
             ),
+            max_loras=0 if config.lora is None else config.lora.max_loras,
         )
         self._set_recorder()
         logger.info(
@@ -139,6 +142,7 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
             pooling=req.pooling,
+            lora=self._adapter_of(req),
         )
         request.grammar = grammar
         return request
@@ -159,6 +163,56 @@ class EngineCore:
             raise InvalidRequestError(
                 f"request {req.request_id!r}: embeddings are not served with speculative decoding"
             )
+
+    def _adapter_of(self, req: EngineCoreRequest) -> LoadedAdapter | None:
+        """The request's adapter, read into the host's cache unless held there
+        (off the busy loop: `make_request` runs on the input thread)."""
+        if req.lora_int_id == 0:
+            return None
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise InvalidRequestError(
+                f"request {req.request_id!r} names LoRA adapter {req.lora_name!r}, but "
+                "EngineArgs.enable_lora is False"
+            )
+        return lora.host.get(  # type: ignore[no-any-return]
+            LoRARequest(req.lora_name or "", req.lora_int_id, req.lora_path or "")
+        )
+
+    # -- LoRA adapters (utility calls; the server's load/unload endpoints) ------
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Read an adapter into the host's cache; raises InvalidRequestError."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise InvalidRequestError("EngineArgs.enable_lora is False: no adapters to load")
+        lora.host.get(request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (running requests finish with theirs)."""
+        lora = getattr(self.runner, "lora", None)
+        return bool(lora is not None and lora.host.remove(lora_int_id))
+
+    def lora_stats(self) -> dict[str, Any]:
+        """The adapters of running and waiting requests (vLLM's lora_requests_info);
+        empty without LoRA."""
+        if self.config.lora is None:
+            return {}
+        s = self.scheduler
+
+        def names(requests: Iterable[Request]) -> list[str]:
+            return sorted({r.lora.request.lora_name for r in requests if r.lora is not None})
+
+        return {
+            "max_lora": self.config.lora.max_loras,
+            "lora_running": names(s.running),
+            "lora_waiting": names(s.waiting),
+        }
+
+    def list_loras(self) -> list[str]:
+        lora = getattr(self.runner, "lora", None)
+        return [] if lora is None else lora.host.names()  # type: ignore[no-any-return]
 
     def add_request(self, req: EngineCoreRequest | Request) -> None:
         request = req if isinstance(req, Request) else self.make_request(req)

@@ -43,6 +43,9 @@ def to_wire(req: EngineCoreRequest, max_model_len: int) -> AddRequest:
         allowed_token_ids=p.allowed_token_ids,
         bad_words_token_ids=p.bad_words_token_ids,
         pooling=req.pooling,
+        lora_int_id=req.lora_int_id,
+        lora_name=req.lora_name,
+        lora_path=req.lora_path,
     )
 
 
@@ -72,5 +75,13 @@ def from_wire(add: AddRequest) -> EngineCoreRequest:
         bad_words_token_ids=add.bad_words_token_ids,
     )
     return EngineCoreRequest(
-        add.wire_id, add.prompt_token_ids, params, add.arrival_time, add.priority, add.pooling
+        add.wire_id,
+        add.prompt_token_ids,
+        params,
+        add.arrival_time,
+        add.priority,
+        add.pooling,
+        add.lora_int_id,
+        add.lora_name,
+        add.lora_path,
     )

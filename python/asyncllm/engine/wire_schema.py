@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Carried by every frame; bumped on any change to the table below.
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +165,21 @@ ADD_REQUEST: tuple[WireField, ...] = (
         "opt_str",
         'None: generate. "last" or "mean": an embedding request, whose prompt\'s final '
         "hidden states are pooled that way and sent back; nothing is sampled.",
+        "None",
+        param=False,
+    ),
+    _f(
+        "lora_int_id",
+        "u32",
+        "The adapter's id (LoRARequest.lora_int_id); 0: the base model.",
+        "0",
+        param=False,
+    ),
+    _f("lora_name", "opt_str", "The adapter's name, with lora_int_id.", "None", param=False),
+    _f(
+        "lora_path",
+        "opt_str",
+        "The adapter's PEFT directory, with lora_int_id.",
         "None",
         param=False,
     ),

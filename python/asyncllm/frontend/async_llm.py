@@ -43,6 +43,7 @@ from asyncllm.frontend.pooling_outputs import (
     embedding_request,
 )
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.outputs import EmbeddingRequestOutput, RequestOutput
 from asyncllm.placement import placement
@@ -140,13 +141,16 @@ class AsyncLLM:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (CUMULATIVE, DELTA or FINAL_ONLY as its params
-        say). Closing the generator or cancelling its consumer aborts the request."""
+        say), with the adapter `lora_request` names if any. Closing the generator or
+        cancelling its consumer aborts the request."""
         self._start_handler()
         if not self.is_running:
             raise self.dead_error
         params = sampling_params or SamplingParams()
+        lid, lname, lpath = LoRARequest.wire_fields(lora_request)
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self._collectors:
@@ -166,7 +170,12 @@ class AsyncLLM:
         try:
             self.client.add_requests(
                 [
-                    to_wire(EngineCoreRequest(cid, prompt_ids, p), self.max_model_len)
+                    to_wire(
+                        EngineCoreRequest(
+                            cid, prompt_ids, p, lora_int_id=lid, lora_name=lname, lora_path=lpath
+                        ),
+                        self.max_model_len,
+                    )
                     for cid, p in zip(core_ids, children, strict=True)
                 ]
             )

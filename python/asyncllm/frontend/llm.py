@@ -23,6 +23,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.input_processor import PromptType
 from asyncllm.frontend.llm_engine import LLMEngine
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import EmbeddingRequestOutput, RequestOutput
 from asyncllm.placement import placement
 from asyncllm.pooling_params import PoolingParams
@@ -74,9 +75,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. A bad prompt
-        or parameter raises before any request is submitted."""
+        or parameter raises before any request is submitted. `lora_request`: one
+        adapter for every prompt, or one (or None: the base model) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -90,12 +93,13 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         self._check_prompts(prompt_list)
+        loras = _per_prompt(lora_request, len(prompt_list))
         ids = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
             if params.output_kind != RequestOutputKind.FINAL_ONLY:
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             rid = self.engine.next_request_id()
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, lora)
             ids.append(rid)
         return self._run(ids, use_tqdm)  # type: ignore[return-value]
 
@@ -244,3 +248,16 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     ):
         return [prompts]  # type: ignore[list-item]  # one prompt given as token ids
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * num_prompts
+    loras = list(lora)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(loras)} LoRA requests for {num_prompts} prompts: pass one, or one per prompt"
+        )
+    return loras

@@ -24,6 +24,7 @@ from asyncllm.frontend.pooling_outputs import (
     embedding_request,
 )
 from asyncllm.frontend.tokenizer import Tokenizer
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages import EngineCoreRequest
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
@@ -70,10 +71,15 @@ class LLMEngine:
         self._wire_ids = itertools.count()
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Tokenize, validate and submit one request (its n children for n > 1).
-        Raises InvalidRequestError without touching the engine on a bad request."""
+        """Tokenize, validate and submit one request (its n children for n > 1), with
+        the adapter `lora_request` names if any. Raises InvalidRequestError without
+        touching the engine on a bad request."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -81,8 +87,10 @@ class LLMEngine:
         self.input_processor.check_params(params)
         children = fan_out(params)
         core_ids = [next(self._wire_ids) for _ in children]
+        lid, lname, lpath = LoRARequest.wire_fields(lora_request)
         reqs = [
-            EngineCoreRequest(cid, prompt_ids, p) for cid, p in zip(core_ids, children, strict=True)
+            EngineCoreRequest(cid, prompt_ids, p, lora_int_id=lid, lora_name=lname, lora_path=lpath)
+            for cid, p in zip(core_ids, children, strict=True)
         ]
         if self.core is not None:
             requests = [self.core.make_request(r) for r in reqs]  # validate all first

@@ -24,6 +24,7 @@ from asyncllm.server.config import ServerConfig
 from asyncllm.server.gateway import GatewayMiddleware, error_response, route_path
 from asyncllm.server.handlers import Handlers
 from asyncllm.server.limits import Admission
+from asyncllm.server.lora import LoRAHandlers
 from asyncllm.server.metrics import ServerMetrics, StatsLogger
 from asyncllm.server.protocol import APIError
 from asyncllm.server.response_store import ResponseStore
@@ -58,12 +59,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
         store = ResponseStore(config.max_stored_responses, config.max_response_store_bytes)
     responses = ResponsesServing(chat, store)
     messages = MessagesServing(chat)
+    chat.adapters = completions.adapters  # one set of served adapters
+    loras = LoRAHandlers(engine, completions.adapters)
     embeddings = EmbeddingServing(engine, config, metrics, admission, token_text)
     h = Handlers(engine, config, metrics, completions, chat, responses, messages, embeddings)
     stats_logger = StatsLogger(metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        for name, path in config.lora_modules:  # a bad adapter stops the start, named
+            await loras.add(name, path)
         task = asyncio.ensure_future(_log_stats(stats_logger, h.core_stats, config.stats_interval))
         try:
             yield
@@ -92,6 +97,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
         routes += [
             Route("/start_profile", h.start_profile, methods=["POST"]),
             Route("/stop_profile", h.stop_profile, methods=["POST"]),
+        ]
+    if config.allow_runtime_lora_updating:  # behind the API key, like the rest
+        routes += [
+            Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
         ]
     if config.ui:  # the browser page (chat, completions, dashboard); --no-ui leaves it out
         routes += ui_routes()

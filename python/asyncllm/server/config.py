@@ -6,7 +6,7 @@ it, so a limit cannot lack a flag."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from asyncllm.errors import ConfigError
 from asyncllm.pooling_params import POOLING_TYPES
@@ -70,6 +70,11 @@ class ServerConfig:
     ui: bool = True  # the browser page at / and /dashboard (`--no-ui` turns it off)
     # the path prefix a reverse proxy serves this server under ("" or "/a/b")
     root_path: str = ""
+    # LoRA adapters served from the start, (name, PEFT directory), picked by a
+    # request's `model`; and whether /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter may change them at run time (off unless asked for)
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
     # -- limits (see LIMIT_HELP) --
     max_request_body_bytes: int = 16 * MiB
     max_prompt_chars: int = 1 * MiB

@@ -125,6 +125,7 @@ class Handlers:
             }
             for name in self.config.served_model_names
         ]
+        data += self.completions.adapters.models(self.engine.max_model_len)
         return json_response({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

@@ -223,6 +223,7 @@ class _CoreStatsCollector(Collector):
                 per_pos.add_metric([*label, str(pos)], float(num))
         if per_pos.samples:
             yield per_pos
+        yield from _lora_info(engines)
         h = HistogramMetricFamily(
             PREFIX + "request_queue_time_seconds",
             "Time from arrival to the scheduler's first run of a request.",
@@ -238,6 +239,22 @@ class _CoreStatsCollector(Collector):
                 )
         if h.samples:
             yield h
+
+
+def _lora_info(engines: list[tuple[list[str], dict[str, Any]]]) -> Iterator[Metric]:
+    """vLLM's `vllm:lora_requests_info` (its name, labels, and the time as value):
+    the adapters of running and waiting requests, when LoRA is on."""
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on LoRA requests.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    for _, s in engines:
+        if "max_lora" in s:
+            running, waiting = ",".join(s["lora_running"]), ",".join(s["lora_waiting"])
+            g.add_metric([str(s["max_lora"]), running, waiting], time.time())
+    if g.samples:
+        yield g
 
 
 class StatsLogger:

@@ -15,10 +15,12 @@ from typing import Any, TypeVar
 
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.frontend.async_llm import AsyncLLM
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.config import ServerConfig
 from asyncllm.server.limits import Admission, RequestLimits
+from asyncllm.server.lora import ServedAdapters
 from asyncllm.server.metrics import RequestTimer, ServerMetrics
 from asyncllm.server.protocol import APIError, bad_request
 from asyncllm.server.token_text import TokenText
@@ -64,16 +66,13 @@ class ServingBase:
         self.admission = admission or Admission(config.max_concurrent_requests)
         self.token_text = token_text or TokenText(engine.tokenizer)
         self.in_flight: set[str] = set()  # engine request ids, aborted on shutdown
+        # the adapters clients may name (shared by every serving: see app.build_app)
+        self.adapters = ServedAdapters(config.served_model_names)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.served_model_names:
-            raise APIError(
-                404,
-                f"The model `{model[:200]}` does not exist; this server serves "
-                f"{', '.join(self.config.served_model_names)}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for an
+        unknown name."""
+        return self.adapters.lookup(model)
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -135,14 +134,16 @@ class ServingBase:
         params: SamplingParams,
         request_id: str,
         timer: RequestTimer,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """`AsyncLLM.generate` with metrics and in-flight tracking; engine errors
-        become APIErrors. Closing it (a disconnect) aborts the request."""
+        """`AsyncLLM.generate` with metrics and in-flight tracking (under `lora`, the
+        adapter `check_model` found); engine errors become APIErrors. Closing it (a
+        disconnect) aborts the request."""
         reasons: list[str | None] = [None] * params.n
         self.in_flight.add(request_id)
         try:
             prompt = {"prompt_token_ids": prompt_ids, "prompt": prompt_text}
-            async for out in self.engine.generate(prompt, params, request_id):
+            async for out in self.engine.generate(prompt, params, request_id, lora):
                 new = 0
                 for c in out.outputs:
                     new += len(c.token_ids)

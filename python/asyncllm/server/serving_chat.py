@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from asyncllm.chat_template import ChatTemplate, ChatTemplateError, prepare_messages
 from asyncllm.frontend.async_llm import AsyncLLM
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.limits import Admission
@@ -53,6 +54,7 @@ class Prepared:
     text: str
     ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
     def fields(self) -> tuple[ToolPlan | None, str, list[int], SamplingParams]:
         return self.plan, self.text, self.ids, self.params
@@ -125,7 +127,7 @@ class ChatServing(ServingBase):
         """Everything a chat request needs before it runs, checked (a 4xx names
         the field at fault): the Responses and Messages endpoints come through
         here too, as a chat request built from theirs."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.limits.check_sampling(req)
         plan = plan_tools(req, self.tool_parser)
         template, extra = self.template_inputs(
@@ -149,23 +151,24 @@ class ChatServing(ServingBase):
             chat=True,
             stream=req.stream,
         )
-        return Prepared(plan, text, ids, params)
+        return Prepared(plan, text, ids, params, lora)
 
     def parser(self, plan: ToolPlan | None) -> OutputParser | None:
         """A parser for one choice of a request with `plan` (None: plain text)."""
         return output_parser(plan, self.reasoning_parser)
 
     async def create(self, req: ChatCompletionRequest, receive: Any) -> Response:
-        plan, text, ids, params = (await self.prepare(req)).fields()
+        prep = await self.prepare(req)
+        plan, text, ids, params = prep.fields()
         self.check_engine()
         ticket = self.admission.admit(params.n)
         request_id = random_id("chatcmpl")
         created = int(time.time())
         if req.stream:
-            chunks = self._stream(req, plan, text, ids, params, request_id, created)
+            chunks = self._stream(req, plan, text, ids, params, request_id, created, prep.lora)
             return SSEResponse(chunks, on_close=ticket.release)
         try:
-            work = self._complete(req, plan, text, ids, params, request_id, created)
+            work = self._complete(req, plan, text, ids, params, request_id, created, prep.lora)
             body = await run_until_disconnect(receive, work)
         finally:
             ticket.release()
@@ -182,6 +185,7 @@ class ChatServing(ServingBase):
         params: SamplingParams,
         request_id: str,
         created: int,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[bytes]:
         renderer = ChunkRenderer(request_id, created, self.model_name, True, req.include_usage)
         n = params.n
@@ -195,7 +199,7 @@ class ChatServing(ServingBase):
         timer = self.metrics.start(len(ids))
         num_cached = None
         try:
-            async for out in self.generate(ids, text, params, request_id, timer):
+            async for out in self.generate(ids, text, params, request_id, timer, lora):
                 if out.num_cached_tokens is not None:
                     num_cached = out.num_cached_tokens
                 for c in out.outputs:
@@ -230,10 +234,11 @@ class ChatServing(ServingBase):
         params: SamplingParams,
         request_id: str,
         created: int,
+        lora: LoRARequest | None = None,
     ) -> bytes:
         timer = self.metrics.start(len(ids))
         outputs, _, num_cached = await self.collect(
-            self.generate(ids, text, params, request_id, timer), params.n
+            self.generate(ids, text, params, request_id, timer, lora), params.n
         )
         return await off_loop(self._build, req, plan, ids, outputs, num_cached, request_id, created)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.limits import Ticket
@@ -39,13 +40,14 @@ JSON = "application/json"
 class _Prompt:
     """One prompt of a request, tokenized, with its sampling parameters."""
 
-    __slots__ = ("index", "text", "ids", "params", "request_id", "echo", "pieces")
+    __slots__ = ("index", "text", "ids", "params", "lora", "request_id", "echo", "pieces")
 
     def __init__(self, index: int, text: str | None, ids: list[int]) -> None:
         self.index = index
         self.text = text
         self.ids = ids
         self.params: SamplingParams | None = None
+        self.lora: LoRARequest | None = None  # the adapter the request's model names
         self.request_id = ""
         self.echo = ""  # the echoed text (echo only)
         self.pieces: list[str] = []  # each prompt token's share of `echo`
@@ -53,7 +55,7 @@ class _Prompt:
 
 class CompletionServing(ServingBase):
     async def create(self, req: CompletionRequest, receive: Any) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.limits.check_sampling(req)
         prompts = await self._prompts(req.prompt)
         prompt_only = req.max_tokens == 0
@@ -69,6 +71,7 @@ class CompletionServing(ServingBase):
             max_tokens.append(self.max_tokens_for(len(p.ids), wanted, "max_tokens", "prompt"))
             p.params = req.sampling_params(max_tokens[-1])
             p.request_id = base_id if len(prompts) == 1 else f"{base_id}-{p.index}"
+            p.lora = lora
         params = prompts[0].params
         assert params is not None
         await self.check_params(params)
@@ -194,7 +197,7 @@ class CompletionServing(ServingBase):
         decoders = [self.token_text.piece_decoder(p.params.skip_special_tokens) for _ in range(n)]
         timer = self.metrics.start(len(p.ids))
         counts[0] += len(p.ids)
-        async for out in self.generate(p.ids, p.text, p.params, p.request_id, timer):
+        async for out in self.generate(p.ids, p.text, p.params, p.request_id, timer, p.lora):
             if out.num_cached_tokens is not None:
                 cached[p.index] = out.num_cached_tokens
             for c in out.outputs:
@@ -242,7 +245,7 @@ class CompletionServing(ServingBase):
         assert p.params is not None
         timer = self.metrics.start(len(p.ids))
         return await self.collect(
-            self.generate(p.ids, p.text, p.params, p.request_id, timer), p.params.n
+            self.generate(p.ids, p.text, p.params, p.request_id, timer, p.lora), p.params.n
         )
 
     def _build(

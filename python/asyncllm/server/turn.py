@@ -36,7 +36,7 @@ async def run_turn(
     num_tokens = num_reasoning = 0
     num_cached = None
     has_calls = False
-    async for out in chat.generate(prep.ids, prep.text, prep.params, request_id, timer):
+    async for out in chat.generate(prep.ids, prep.text, prep.params, request_id, timer, prep.lora):
         if out.num_cached_tokens is not None:
             num_cached = out.num_cached_tokens
         for c in out.outputs:

@@ -21,8 +21,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.lora.model import LoRAModel
 from asyncllm.messages import Logprobs
 from asyncllm.models.fused_decode import FusedDecode, unsupported
 from asyncllm.models.loader import load_model
@@ -128,6 +130,7 @@ class ModelRunner:
             self.model.fused_decode = FusedDecode.build(
                 self.model, self.kv_caches, torch.get_num_threads()
             )
+        self.lora = None if config.lora is None else self._attach_lora(config)
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
         # Draws are keyed by (seed, output position), so a resumed request goes on
@@ -150,6 +153,20 @@ class ModelRunner:
         self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
         self.recorder: StepRecorder | None = None
+
+    def _attach_lora(self, config: EngineConfig) -> LoRAModel:
+        lora = config.lora
+        assert lora is not None
+        return LoRAModel(
+            self.model,
+            max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank,
+            max_cpu_loras=lora.max_cpu_loras,
+            max_rows=config.max_num_seqs,
+            dtype=config.torch_dtype,
+            device=self.device,
+            kernel=envs.lora_kernel(),
+        )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -224,6 +241,8 @@ class ModelRunner:
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64)).to(self.device)
         self._in_flight.feed(input_ids, step.token_rows, step.positions)
         positions = torch.from_numpy(step.positions).to(self.device)
+        if self.lora is not None:
+            self.lora.begin_step(step.token_rows)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, step.attention)
         return hidden
 
@@ -321,6 +340,8 @@ class ModelRunner:
             row = ib.add(new)
             if new.pooling is not None:
                 self.pooler.add(new.req_id, new.pooling)
+            if self.lora is not None:
+                self.lora.add_row(row, new.lora)
             if self.spec is not None:
                 self.spec.add(ib, row, new)
             if grammar is not None and new.grammar is not None:
@@ -331,6 +352,8 @@ class ModelRunner:
         if row is not None:
             self.pooler.remove(rid)
             self._in_flight.drop(row)
+            if self.lora is not None:
+                self.lora.remove_row(row)
             self.input_batch.remove(rid)
             if self.spec is not None:
                 self.spec.remove(row)

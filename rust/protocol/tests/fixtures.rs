@@ -78,6 +78,9 @@ fn request_b() -> AddRequest {
         allowed_token_ids: vec![7, 9, 50_256],
         bad_words_token_ids: vec![vec![11], vec![12, 13]],
         pooling: Some("mean".into()),
+        lora_int_id: 7,
+        lora_name: Some("sql-β".into()),
+        lora_path: Some("/adapters/sql".into()),
     }
 }
 

@@ -124,6 +124,9 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         allowed_token_ids: rng.u32s(4),
         bad_words_token_ids: (0..rng.below(3)).map(|_| rng.u32s(3)).collect(),
         pooling: rng.opt(|r| ["last", "mean"][r.below(2) as usize].to_string()),
+        lora_int_id: rng.edgy_u64() as u32,
+        lora_name: rng.opt(|r| r.string(20)),
+        lora_path: rng.opt(|r| r.string(40)),
     }
 }
 

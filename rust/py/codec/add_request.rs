@@ -25,7 +25,8 @@ impl PyAddRequest {
         stop_token_ids=None, ignore_eos=false, logprobs=None, prompt_logprobs=None,
         repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
         cache_salt=None, structured_outputs=None, logit_bias=None, allowed_token_ids=None,
-        bad_words_token_ids=None, pooling=None
+        bad_words_token_ids=None, pooling=None, lora_int_id=0, lora_name=None,
+        lora_path=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -53,6 +54,9 @@ impl PyAddRequest {
         allowed_token_ids: Option<&Bound<'_, PyAny>>,
         bad_words_token_ids: Option<&Bound<'_, PyAny>>,
         pooling: Option<String>,
+        lora_int_id: u32,
+        lora_name: Option<String>,
+        lora_path: Option<String>,
     ) -> PyResult<Self> {
         Ok(PyAddRequest(Arc::new(protocol::AddRequest {
             wire_id,
@@ -103,6 +107,9 @@ impl PyAddRequest {
                 None => Vec::new(),
             },
             pooling,
+            lora_int_id,
+            lora_name,
+            lora_path,
         })))
     }
 
@@ -230,6 +237,21 @@ impl PyAddRequest {
     #[getter]
     fn pooling(&self) -> Option<&str> {
         self.0.pooling.as_deref()
+    }
+    /// The adapter's id (LoRARequest.lora_int_id); 0: the base model.
+    #[getter]
+    fn lora_int_id(&self) -> u32 {
+        self.0.lora_int_id
+    }
+    /// The adapter's name, with lora_int_id.
+    #[getter]
+    fn lora_name(&self) -> Option<&str> {
+        self.0.lora_name.as_deref()
+    }
+    /// The adapter's PEFT directory, with lora_int_id.
+    #[getter]
+    fn lora_path(&self) -> Option<&str> {
+        self.0.lora_path.as_deref()
     }
     #[getter]
     fn num_prompt_tokens(&self) -> usize {
