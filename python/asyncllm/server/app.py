@@ -76,6 +76,30 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
+    routes = _routes(engine, config, h, loras)
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            APIError: _on_api_error,
+            HTTPException: _on_http_error,
+            EngineDeadError: _on_engine_dead,
+            Exception: _on_error,
+        },
+        lifespan=lifespan,
+    )
+    app.add_middleware(GatewayMiddleware, config=config)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.admission = admission
+    app.state.handlers = h
+    app.state.servings = (completions, chat, embeddings)
+    return app
+
+
+def _routes(
+    engine: AsyncLLM, config: ServerConfig, h: Handlers, loras: LoRAHandlers
+) -> list[Route]:
+    """The endpoints this server answers: the APIs, then what flags add."""
     routes = [
         Route("/v1/completions", h.create_completion, methods=["POST"]),
         Route("/v1/chat/completions", h.create_chat_completion, methods=["POST"]),
@@ -105,23 +129,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
         ]
     if config.ui:  # the browser page (chat, completions, dashboard); --no-ui leaves it out
         routes += ui_routes()
-    app = Starlette(
-        routes=routes,
-        exception_handlers={
-            APIError: _on_api_error,
-            HTTPException: _on_http_error,
-            EngineDeadError: _on_engine_dead,
-            Exception: _on_error,
-        },
-        lifespan=lifespan,
-    )
-    app.add_middleware(GatewayMiddleware, config=config)
-    app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.admission = admission
-    app.state.handlers = h
-    app.state.servings = (completions, chat, embeddings)
-    return app
+    return routes
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
