@@ -81,6 +81,15 @@ def add_parser(sub: Any) -> None:
         default=10.0,
         help="seconds between stats log lines while busy (0: never)",
     )
+    _add_lora_args(s)
+    _add_page_args(s)
+    s.add_argument("--log-level", default="info", help="server log level (default: info)")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_limit_args(p)
+
+
+def _add_lora_args(s: Any) -> None:
+    """The adapters served from the start, and the run-time load/unload switch."""
     s.add_argument(
         "--lora-modules",
         nargs="+",
@@ -95,10 +104,6 @@ def add_parser(sub: Any) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API "
         "key; needs --enable-lora)",
     )
-    _add_page_args(s)
-    s.add_argument("--log-level", default="info", help="server log level (default: info)")
-    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_limit_args(p)
 
 
 def _add_page_args(s: Any) -> None:
