@@ -4,6 +4,7 @@ projection (q/k/v/o/gate/up/down), in one engine with LoRA on.
 
     python benches/bench_lora.py [--rounds 5] [--tokens 64] [--kernel auto|rust|torch]
     python benches/bench_lora.py --kernels [--rounds 9]
+    python benches/bench_lora.py --load-only
 
 Each round alternates, in one engine: base rows vs adapter rows for
 - 64 streams: all on the base model / spread over 8 adapters (8 streams each);
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kernel", default="auto", help="LoRA kernel: auto, rust or torch")
     ap.add_argument("--kernels", action="store_true", help="time the two kernels alone")
+    ap.add_argument("--load-only", action="store_true", help="only the adapter load time")
     args = ap.parse_args()
     if args.kernels:
         print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
@@ -157,6 +159,13 @@ def main() -> None:
     ]  # fmt: skip
     llm = LLM(str(model), multiprocess=False, dtype="float32", enable_lora=True, max_loras=8,
               max_lora_rank=16, max_num_seqs=64)  # fmt: skip
+    if args.load_only:
+        read_ms, write_ms = load_times(llm, loras[0])
+        print(
+            f"rank-16 adapter: read + check {read_ms:.1f} ms, write into a slot {write_ms:.1f} ms"
+        )
+        llm.shutdown()
+        return
     cases = {
         "64 streams": (64, [None], loras),
         "batch 1": (1, [None], [loras[0]]),
