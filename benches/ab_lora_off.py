@@ -2,7 +2,8 @@
 tokens on the "micro" model, in-process, LoRA off; prints the median of 3 runs'
 tokens/s. Run it from each tree with that tree's python, alternating:
 
-    (cd OLD && OLD/.venv/bin/python NEW/benches/ab_lora_off.py); .venv/bin/python benches/ab_lora_off.py
+    (cd OLD && OLD/.venv/bin/python NEW/benches/ab_lora_off.py)
+    .venv/bin/python benches/ab_lora_off.py
 """
 
 import sys
