@@ -3,6 +3,8 @@
 projection (q/k/v/o/gate/up/down), in one engine with LoRA on.
 
     python benches/bench_lora.py [--rounds 5] [--tokens 64] [--kernel auto|rust|torch]
+    python benches/bench_lora.py --kernels [--rounds 9]
+    python benches/bench_lora.py --load-only
 
 Each round alternates, in one engine: base rows vs adapter rows for
 - 64 streams: all on the base model / spread over 8 adapters (8 streams each);
@@ -11,6 +13,10 @@ greedy (temperature 0) and sampled (temperature 1.0, top_p 0.95, a seed per
 request) rows; tokens/s per run, medians of the per-round ratios. Also: the time
 to read a rank-16 adapter into the host's cache (`HostAdapters.read`, median of
 10) and to write it into a device slot (`DeviceSlots.acquire`).
+
+`--kernels` times the two LoRA kernels alone (lora.kernel: the rust one and the
+torch one) on the small model's projections at 64 tokens over 8 rank-16 adapters
+and at 1 token, alternated round by round, medians in microseconds per call.
 
 The issue's targets: 64 streams over 8 adapters >= 0.85x the base model's tokens/s;
 batch-1 with an adapter >= 0.9x without; loading a rank-16 adapter < 50 ms.
@@ -23,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from statistics import median
 
@@ -73,12 +80,74 @@ def load_times(llm: LLM, lora: LoRARequest) -> tuple[float, float]:
     return median(reads) * 1e3, write * 1e3
 
 
+# (name, k, fused projections, n) of the small model's adapted layers
+LAYERS = (
+    ("qkv", 512, 3, 1024),
+    ("o", 512, 1, 512),
+    ("gate_up", 512, 2, 3072),
+    ("down", 1536, 1, 512),
+)
+
+
+def rust_on_copy(rust: partial, y: torch.Tensor) -> None:
+    """The rust kernel adds into its output: a fresh copy each call, as a layer's."""
+    rust.func(y.clone(), *rust.args[1:])
+
+
+def bench_kernels(rounds: int) -> None:
+    """Rust vs torch LoRA kernel per layer shape and token count (µs per call)."""
+    import numpy as np
+
+    from asyncllm.lora.kernel import lora_add_rust, lora_add_torch
+    from asyncllm.models.linear_kernels import as_buffer
+
+    threads = torch.get_num_threads()
+    print("\n| layer | tokens | rust µs | torch µs | rust / torch |")
+    print("|---|---:|---:|---:|---:|")
+    for name, k, fused, n in LAYERS:
+        width = fused * 16
+        a = torch.randn(8, k, width) * 0.01
+        b = torch.randn(8, width, n) * 0.01
+        a_buf, b_buf = as_buffer(a.view(-1, width)), as_buffer(b.view(-1, n))
+        for tokens in (64, 1):
+            x, y = torch.randn(tokens, k), torch.randn(tokens, n)
+            slots = np.arange(tokens, dtype=np.int64) % 8
+            order = torch.from_numpy(np.argsort(slots, kind="stable"))
+            ordered = slots[order.numpy()]
+            segs = tuple(
+                (s, int(np.searchsorted(ordered, s)), int(np.searchsorted(ordered, s, "right")))
+                for s in sorted(set(slots.tolist()))
+            )
+            single = 0 if tokens == 1 else None
+            rust = partial(lora_add_rust, y, x, a_buf, b_buf, slots, threads)
+            fns = {
+                "rust": lambda rust=rust, y=y: rust_on_copy(rust, y),
+                "torch": partial(lora_add_torch, y, x, a, b, single, order, segs),
+            }
+            times: dict[str, list[float]] = {"rust": [], "torch": []}
+            for _ in range(rounds):
+                for kind, fn in fns.items():
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn()
+                    times[kind].append((time.perf_counter() - t0) / 20 * 1e6)
+            r, t = median(times["rust"]), median(times["torch"])
+            print(f"| {name} | {tokens} | {r:.1f} | {t:.1f} | {r / t:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kernel", default="auto", help="LoRA kernel: auto, rust or torch")
+    ap.add_argument("--kernels", action="store_true", help="time the two kernels alone")
+    ap.add_argument("--load-only", action="store_true", help="only the adapter load time")
     args = ap.parse_args()
+    if args.kernels:
+        print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
+        bench_kernels(args.rounds)
+        return
     os.environ["ASYNCLLM_LORA_KERNEL"] = args.kernel
     print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
     root = Path(tempfile.mkdtemp())
@@ -90,6 +159,13 @@ def main() -> None:
     ]  # fmt: skip
     llm = LLM(str(model), multiprocess=False, dtype="float32", enable_lora=True, max_loras=8,
               max_lora_rank=16, max_num_seqs=64)  # fmt: skip
+    if args.load_only:
+        read_ms, write_ms = load_times(llm, loras[0])
+        print(
+            f"rank-16 adapter: read + check {read_ms:.1f} ms, write into a slot {write_ms:.1f} ms"
+        )
+        llm.shutdown()
+        return
     cases = {
         "64 streams": (64, [None], loras),
         "batch 1": (1, [None], [loras[0]]),

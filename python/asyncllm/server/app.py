@@ -123,13 +123,17 @@ def _routes(
             Route("/stop_profile", h.stop_profile, methods=["POST"]),
         ]
     if config.allow_runtime_lora_updating:  # behind the API key, like the rest
-        routes += [
-            Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
-        ]
+        routes += lora_routes(loras)
     if config.ui:  # the browser page (chat, completions, dashboard); --no-ui leaves it out
         routes += ui_routes()
     return routes
+
+
+def lora_routes(loras: LoRAHandlers) -> list[Route]:
+    return [
+        Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
+    ]
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
