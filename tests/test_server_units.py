@@ -107,6 +107,8 @@ def test_every_limit_is_a_documented_flag():
         "stats_interval",
         "ui",
         "root_path",
+        "lora_modules",
+        "allow_runtime_lora_updating",
     }
     names = {f.name for f in dataclasses.fields(ServerConfig)} - base
     assert names == set(LIMIT_HELP)
