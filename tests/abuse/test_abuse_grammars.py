@@ -102,6 +102,7 @@ def test_refusing_costly_regexes_fifty_times_holds_no_memory(server):
     asyncio.run(run())
 
 
+@pytest.mark.timeout(900)  # a hang guard: three costly compiles on a loaded box outran 240 s
 def test_costly_grammars_compile_beside_a_healthy_stream(server):
     """Three accepted but costly grammars compile while a healthy stream runs,
     and the stream goes on to the same tokens it gives alone. (Its pace beside
