@@ -68,6 +68,8 @@ def server(setup: dict):
         f"sql={a['sql']}",
         f"chat={a['chat']}",
         "--allow-runtime-lora-updating",
+        "--chat-template",  # the tiny model has none; chat, responses, messages need one
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     )
     yield srv
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
@@ -92,6 +94,32 @@ def _complete(client, model: str) -> str:
 def test_model_field_picks_the_adapter(client, setup: dict) -> None:
     for model in ("sql", "chat", "tiny"):
         assert _complete(client, model) == setup["refs"][model], model
+
+
+def test_each_endpoint_answers_with_the_adapters_name(client, server: Server) -> None:
+    """A response names the adapter it ran under (as vLLM's do), on every endpoint
+    that generates; embeddings are the base model's, so an adapter there is a 400."""
+    out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+    assert out.model == "sql"
+    stream = client.completions.create(model="sql", prompt=PROMPT, max_tokens=2, stream=True)
+    assert {c.model for c in stream} == {"sql"}
+    chat = [{"role": "user", "content": "hi"}]
+    assert client.chat.completions.create(model="chat", messages=chat, max_tokens=2).model == (
+        "chat"
+    )
+    chunks = client.chat.completions.create(model="chat", messages=chat, max_tokens=2, stream=True)
+    assert {c.model for c in chunks} == {"chat"}
+    assert client.responses.create(model="sql", input="hi", max_output_tokens=2).model == "sql"
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).model == "tiny"
+    req = urllib.request.Request(
+        server.url + "/v1/messages",
+        data=json.dumps({"model": "chat", "max_tokens": 2, "messages": chat}).encode(),
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        assert json.loads(reply.read())["model"] == "chat"
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
+        client.embeddings.create(model="sql", input="hi")
 
 
 def test_models_lists_adapters_with_parent(client) -> None:

@@ -62,6 +62,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> Starlette:
     chat.adapters = completions.adapters  # one set of served adapters
     loras = LoRAHandlers(engine, completions.adapters)
     embeddings = EmbeddingServing(engine, config, metrics, admission, token_text)
+    embeddings.adapters = completions.adapters  # an adapter's name there is a 400, not a 404
     h = Handlers(engine, config, metrics, completions, chat, responses, messages, embeddings)
     stats_logger = StatsLogger(metrics)
 

@@ -69,6 +69,12 @@ class ServingBase:
         # the adapters clients may name (shared by every serving: see app.build_app)
         self.adapters = ServedAdapters(config.served_model_names)
 
+    def echoed_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter a request ran under (its
+        name, as vLLM answers), else the served model's first name."""
+        lora = self.adapters.lookup(model)
+        return self.model_name if lora is None else lora.lora_name
+
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for an
         unknown name."""

@@ -187,7 +187,9 @@ class ChatServing(ServingBase):
         created: int,
         lora: LoRARequest | None = None,
     ) -> AsyncIterator[bytes]:
-        renderer = ChunkRenderer(request_id, created, self.model_name, True, req.include_usage)
+        renderer = ChunkRenderer(
+            request_id, created, self.echoed_model(req.model), True, req.include_usage
+        )
         n = params.n
         for i in range(n):
             yield renderer.role_chunk(i)
@@ -282,7 +284,7 @@ class ChatServing(ServingBase):
             "id": request_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.echoed_model(req.model),
             "usage": usage(len(ids), sum(len(c.token_ids) for c in outputs), num_cached),
             "system_fingerprint": None,
         }

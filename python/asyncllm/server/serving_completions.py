@@ -161,7 +161,9 @@ class CompletionServing(ServingBase):
         created: int,
         prompt_only: bool,
     ) -> AsyncIterator[bytes]:
-        renderer = ChunkRenderer(base_id, created, self.model_name, False, req.include_usage)
+        renderer = ChunkRenderer(
+            base_id, created, self.echoed_model(req.model), False, req.include_usage
+        )
         counts = [0, 0]  # prompt tokens, completion tokens
         cached: list[int | None] = [None] * len(prompts)
         streams = [
@@ -288,7 +290,7 @@ class CompletionServing(ServingBase):
             "id": base_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.echoed_model(req.model),
             "usage": usage(
                 sum(len(p.ids) for p in prompts),
                 completion_tokens,

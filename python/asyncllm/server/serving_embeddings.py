@@ -25,7 +25,12 @@ from asyncllm.server.sse import run_until_disconnect
 
 class EmbeddingServing(ServingBase):
     async def create(self, req: EmbeddingRequest, receive: Any) -> Response:
-        self.check_model(req.model)
+        if self.check_model(req.model) is not None:
+            raise bad_request(
+                f"model: {req.model!r} is a LoRA adapter; embeddings are served by the "
+                "base model only",
+                "model",
+            )
         params = self._pooling_params(req.dimensions)
         prompts = await self._prompts(req.inputs())
         self.check_engine()

@@ -172,7 +172,7 @@ class MessagesServing:
         prep = await prepare_as(chat, self._chat_request(req), {"stop": "stop_sequences"})
         chat.check_engine()
         ticket = chat.admission.admit(1)
-        builder = MessageBuilder(item_id("msg"), chat.model_name, len(prep.ids))
+        builder = MessageBuilder(item_id("msg"), chat.echoed_model(req.model), len(prep.ids))
         if req.stream:
             return SSEResponse(self._stream(prep, builder), on_close=ticket.release)
         try:

@@ -124,7 +124,7 @@ class ResponsesServing:
             "id": item_id("resp"),
             "object": "response",
             "created_at": int(time.time()),
-            "model": self.chat.model_name,
+            "model": self.chat.echoed_model(req.model),
             "error": None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
