@@ -131,6 +131,7 @@ def _routes(
 
 
 def lora_routes(loras: LoRAHandlers) -> list[Route]:
+    """The run-time adapter endpoints, served only with --allow-runtime-lora-updating."""
     return [
         Route("/v1/load_lora_adapter", loras.load, methods=["POST"]),
         Route("/v1/unload_lora_adapter", loras.unload, methods=["POST"]),
