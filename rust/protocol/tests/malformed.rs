@@ -14,7 +14,8 @@ fn frame(message_type: MessageType, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
     w.into_bytes()
 }
 
-/// The 23 fields of a valid AddRequest with prompt [1, 2, 3].
+/// The fields of a valid AddRequest with prompt [1, 2, 3], in wire order
+/// (ADD_REQUEST_FIELDS of them; `the_helper_builds_a_valid_frame` checks).
 fn add_request_fields() -> Vec<Field> {
     vec![
         Box::new(|w| w.uint(9)),
@@ -39,6 +40,10 @@ fn add_request_fields() -> Vec<Field> {
         Box::new(|w| w.nil()),
         Box::new(|w| w.nil()),
         Box::new(|w| w.u32s(&[], "").unwrap()),
+        Box::new(|w| w.nil()),
+        Box::new(|w| w.nil()),
+        // lora_int_id, lora_name, lora_path: the base model
+        Box::new(|w| w.uint(0)),
         Box::new(|w| w.nil()),
         Box::new(|w| w.nil()),
     ]
@@ -129,10 +134,12 @@ fn every_truncation_of_every_message_is_rejected() {
 #[test]
 fn truncated_token_array_names_the_field() {
     let bytes = encode_add_requests([&AddRequest::new(5, vec![7; 1024])]).unwrap();
-    // Header (2), outer array (1), request array (3), wire id (1), bin16 header (3) + 20 bytes.
+    // Header (2), outer array (1), request array (3), wire id (1), bin16 header (3) + 40
+    // bytes (more than one per field left, so the request's header check passes).
+    const { assert!(ADD_REQUEST_FIELDS < 40) };
     assert_eq!(
-        err(&bytes[..2 + 1 + 3 + 1 + 3 + 20]),
-        "truncated frame: AddRequests[0].prompt_token_ids needs 4096 bytes, 20 left"
+        err(&bytes[..2 + 1 + 3 + 1 + 3 + 40]),
+        "truncated frame: AddRequests[0].prompt_token_ids needs 4096 bytes, 40 left"
     );
     // Fewer bytes than the request's fields could take fails at its header.
     assert_eq!(
