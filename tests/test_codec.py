@@ -639,7 +639,7 @@ def add_request_frame(**overrides: Any) -> bytes:
         (
             add_request_frame(structured_outputs=["xml", "<a/>"]),
             'malformed frame: AddRequests[0].structured_outputs: kind "xml" is not one of json, '
-            "regex, choice, grammar, json_object",
+            "regex, choice, grammar, json_object, after_reasoning",
         ),
         (
             add_request_frame(structured_outputs=["regex", "a" * (1 << 20 | 1)]),

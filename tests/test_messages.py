@@ -4,7 +4,8 @@ serve` (tiny random-weight Qwen2 with the qwen2.5 chat template, an API key,
 
 Where a test needs a shape the random model would not write (reasoning, a stop
 sequence, a tool call), the engine is constrained to it with structured output
-or tool_choice; the server's reading of the output is what is checked."""
+(over the whole output, reasoning included: `enable_in_reasoning`) or
+tool_choice; the server's reading of the output is what is checked."""
 
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def server(tmp_path_factory):
         KEY,
         "--reasoning-parser",
         "qwen3",
+        # the shapes are forced on the whole output, the reasoning included
+        "--structured-outputs-config",
+        '{"enable_in_reasoning": true}',
     )
     yield s
     assert s.stop() == 0, log.read_text()[-3000:]

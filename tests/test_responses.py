@@ -4,8 +4,9 @@ Qwen2 with the qwen2.5 chat template, `--reasoning-parser qwen3`,
 and `responses.stream`.
 
 The model has random weights, so where a test needs a shape (reasoning, a
-tool call, JSON) the engine is constrained to it with structured output; the
-server's reading of the output is what is checked."""
+tool call, JSON) the engine is constrained to it with structured output (over
+the whole output, reasoning included: `enable_in_reasoning`); the server's
+reading of the output is what is checked."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def server(tmp_path_factory):
         MODEL,
         "--reasoning-parser",
         "qwen3",
+        # the shapes are forced on the whole output, the reasoning included
+        "--structured-outputs-config",
+        '{"enable_in_reasoning": true}',
         "--enable-store",
         "--max-stored-responses",
         "4",

@@ -100,7 +100,16 @@ def load(server: Server, streams: int, max_tokens: int) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ui-browser")
-    srv = Server(tmp / "server.log", "--api-key", API_KEY, "--reasoning-parser", "qwen3")
+    srv = Server(
+        tmp / "server.log",
+        "--api-key",
+        API_KEY,
+        "--reasoning-parser",
+        "qwen3",
+        # FORCED covers the whole output, the reasoning included
+        "--structured-outputs-config",
+        '{"enable_in_reasoning": true}',
+    )
     yield srv
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
 

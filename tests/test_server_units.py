@@ -100,6 +100,7 @@ def test_every_limit_is_a_documented_flag():
         "trust_request_chat_template",
         "tool_call_parser",
         "reasoning_parser",
+        "structured_outputs_in_reasoning",
         "enable_store",
         "embedding_pooling",
         "embedding_normalize",

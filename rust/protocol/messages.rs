@@ -60,8 +60,17 @@ pub struct StructuredSpec {
     pub spec: String,
 }
 
-/// The constraint kinds (`asyncllm.structured_output.params.KINDS`).
-pub const STRUCTURED_KINDS: [&str; 5] = ["json", "regex", "choice", "grammar", "json_object"];
+/// The constraint kinds (`asyncllm.structured_output.params.KINDS`, then
+/// `AFTER_REASONING`: one of the others applied to the answer after a
+/// reasoning model's reasoning).
+pub const STRUCTURED_KINDS: [&str; 6] = [
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "after_reasoning",
+];
 
 /// The most bytes a constraint's spec may take on the wire: above what the
 /// Python side's bounds allow (64 Ki chars of schema, regex, grammar or

@@ -8,6 +8,7 @@
 //! Bitmask layout (as vLLM's and xgrammar's): per row `words` u32, token `t`
 //! allowed iff bit `t % 32` of word `t / 32` is set.
 
+mod after_reasoning;
 pub mod budget;
 pub mod compile_pool;
 pub mod literal_runs;
@@ -188,20 +189,7 @@ impl Compiler {
 
     /// The matcher at the start of (kind, spec), and the kind's name for errors.
     fn build(&self, kind: &str, spec: &str) -> Result<(&'static str, Matcher), StructuredError> {
-        let (kind, top) = match kind {
-            "json" => ("JSON schema", json_schema(checked_schema(spec)?)),
-            "json_object" => (
-                "JSON object",
-                json_schema(serde_json::json!({"type": "object"})),
-            ),
-            "regex" => (
-                "regex",
-                TopLevelGrammar::from_regex(check_literals("regex", spec)?),
-            ),
-            "choice" => ("choice", choice(spec)?),
-            "grammar" => ("grammar", TopLevelGrammar::from_lark(spec.to_string())),
-            other => return Err(StructuredError::Kind(other.to_string())),
-        };
+        let (kind, top) = top_level(kind, spec)?;
         let invalid = |msg: String| match budget::exceeded_limit(&msg) {
             Some(limit) => StructuredError::Limit { kind, limit, msg },
             None => StructuredError::Invalid { kind, msg },
@@ -226,6 +214,29 @@ impl Compiler {
         }
         Ok((kind, start))
     }
+}
+
+/// The grammar of one constraint, and the kind's name for errors.
+fn top_level(kind: &str, spec: &str) -> Result<(&'static str, TopLevelGrammar), StructuredError> {
+    Ok(match kind {
+        "json" => ("JSON schema", json_schema(checked_schema(spec)?)),
+        "json_object" => (
+            "JSON object",
+            json_schema(serde_json::json!({"type": "object"})),
+        ),
+        "regex" => (
+            "regex",
+            TopLevelGrammar::from_regex(check_literals("regex", spec)?),
+        ),
+        "choice" => ("choice", choice(spec)?),
+        "grammar" => ("grammar", TopLevelGrammar::from_lark(spec.to_string())),
+        "after_reasoning" => {
+            let reasoned = after_reasoning::Spec::parse(spec)?;
+            let (kind, answer) = top_level(&reasoned.kind, &reasoned.spec)?;
+            (kind, reasoned.wrap(answer)?)
+        }
+        other => return Err(StructuredError::Kind(other.to_string())),
+    })
 }
 
 fn parse_json(kind: &'static str, spec: &str) -> Result<Value, StructuredError> {

@@ -226,3 +226,58 @@ fn real_tokenizers_build_and_constrain() {
         );
     }
 }
+
+/// The status after consuming `text` from the start of `g`, and whether EOS is
+/// then allowed.
+fn after_text(c: &Compiler, g: &Grammar, text: &str) -> (Status, bool) {
+    let mut m = g.matcher();
+    let ids = c.factory.tok_env().tokenize(text);
+    let st = consume(&mut m, &ids);
+    let mut row = vec![0u32; c.words()];
+    fill_masks(&mut [&mut m], &mut [&mut row[..]], &c.eos_row(), None);
+    let eos_id = c.factory.tok_env().tok_trie().eos_token();
+    (st, allowed(&row, eos_id))
+}
+
+#[test]
+fn answer_after_reasoning_is_constrained_and_the_reasoning_is_not() {
+    let c = tiny();
+    let spec = |open: &str| {
+        format!(
+            r#"{{"open":{open},"close":"</think>","kind":"json","spec":"{{\"enum\":[\"yes\",\"no\"]}}"}}"#
+        )
+    };
+    // DeepSeek-R1: the output starts in reasoning, free text up to the tag
+    let g = c.compile("after_reasoning", &spec("null")).unwrap();
+    let (st, eos) = after_text(&c, &g, "a {not json} \"yes\"");
+    assert_eq!(st, Status::Running);
+    assert!(!eos, "EOS inside the reasoning");
+    // a complete answer: nothing but EOS can follow
+    assert_eq!(
+        after_text(&c, &g, "hmm, {x}</think>\n\n\"no\""),
+        (Status::Complete, true)
+    );
+    let (st, _) = after_text(&c, &g, "hmm</think> maybe");
+    assert_eq!(st, Status::Error, "the answer must match the schema");
+    let spaced = format!("hmm</think>{}\"no\"", " ".repeat(9));
+    assert_eq!(
+        after_text(&c, &g, &spaced).0,
+        Status::Error,
+        "whitespace is bounded"
+    );
+    // Qwen3: an optional block first; without it the answer starts at once
+    let g = c.compile("after_reasoning", &spec("\"<think>\"")).unwrap();
+    assert_eq!(after_text(&c, &g, "\"yes\""), (Status::Complete, true));
+    let thought = "<think>so: no</think>\"no\"";
+    assert_eq!(after_text(&c, &g, thought), (Status::Complete, true));
+    assert_eq!(after_text(&c, &g, "so: no").0, Status::Error);
+    // the answer's own errors are named as its kind
+    let err = c
+        .compile(
+            "after_reasoning",
+            r#"{"open":null,"close":"</think>","kind":"json","spec":"{]"}"#,
+        )
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("JSON schema"), "{err}");
+}

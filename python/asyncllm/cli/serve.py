@@ -56,13 +56,7 @@ def add_parser(sub: Any) -> None:
         "pythonic, [f(x=1), ...] lists; mistral, after [TOOL_CALLS]; qwen3_coder, "
         "<function=NAME><parameter=KEY> blocks; default: hermes)",
     )
-    s.add_argument(
-        "--reasoning-parser",
-        default=None,
-        help="split a reasoning model's <think>...</think> off its answer: into "
-        "reasoning_content (chat), reasoning items (responses), thinking blocks "
-        "(messages) (known: deepseek_r1, qwen3; default: none)",
-    )
+    _add_reasoning_args(s)
     s.add_argument(
         "--enable-store",
         action="store_true",
@@ -108,6 +102,24 @@ def _add_lora_args(s: Any) -> None:
     )
 
 
+def _add_reasoning_args(s: Any) -> None:
+    """How a reasoning model's output is read, and what a constraint covers."""
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a reasoning model's <think>...</think> off its answer: into "
+        "reasoning_content (chat), reasoning items (responses), thinking blocks "
+        "(messages) (known: deepseek_r1, qwen3; default: none)",
+    )
+    s.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='vLLM\'s structured-output settings as JSON: {"enable_in_reasoning": true} '
+        "makes a request's constraint cover the reasoning too (default: with "
+        "--reasoning-parser it applies to the answer after the reasoning only)",
+    )
+
+
 def _add_embedding_args(s: Any) -> None:
     """How /v1/embeddings pools and scales."""
     s.add_argument(
@@ -145,7 +157,11 @@ def _add_page_args(s: Any) -> None:
 def run(ns: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the exit status. A bad server setting exits naming it."""
     from asyncllm import envs
-    from asyncllm.server.config import LIMIT_HELP, ServerConfig
+    from asyncllm.server.config import (
+        LIMIT_HELP,
+        ServerConfig,
+        parse_structured_outputs_config,
+    )
     from asyncllm.server.launch import run_server
     from asyncllm.server.lora import parse_lora_modules
     from asyncllm.server.reasoning import get_reasoning_parser
@@ -160,6 +176,9 @@ def run(ns: argparse.Namespace) -> int:
             trust_request_chat_template=ns.trust_request_chat_template,
             tool_call_parser=ns.tool_call_parser,
             reasoning_parser=ns.reasoning_parser,
+            structured_outputs_in_reasoning=parse_structured_outputs_config(
+                ns.structured_outputs_config
+            ),
             enable_store=ns.enable_store,
             embedding_pooling=ns.embedding_pooling,
             embedding_normalize=ns.embedding_normalize,

@@ -6,6 +6,7 @@ it, so a limit cannot lack a flag."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 
 from asyncllm.errors import ConfigError
@@ -59,6 +60,9 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"  # reads tool calls in model output (tool_parsers)
     reasoning_parser: str | None = None  # splits `<think>` reasoning off (reasoning/)
+    # vLLM's structured_outputs_config.enable_in_reasoning: with a reasoning parser,
+    # a constraint covers the reasoning too (off: it applies to the answer only)
+    structured_outputs_in_reasoning: bool = False
     # /v1/responses keeps responses (store, previous_response_id) only when set
     enable_store: bool = False
     # /v1/embeddings: how the final hidden states are pooled ("last" or "mean"),
@@ -123,6 +127,38 @@ class ServerConfig:
                 f"--root-path={self.root_path!r} is invalid: must start with '/' and not "
                 "end with one (e.g. /llm)"
             )
+
+
+# vLLM's --structured-outputs-config keys asyncllm reads, and the backends it
+# accepts (llguidance is the only one: vLLM calls it "guidance")
+_STRUCTURED_KEYS = ("backend", "enable_in_reasoning")
+_BACKENDS = ("auto", "guidance")
+
+
+def parse_structured_outputs_config(text: str | None) -> bool:
+    """`--structured-outputs-config` JSON (vLLM's) -> enable_in_reasoning; a
+    ConfigError names a key or value asyncllm does not take."""
+    if not text:
+        return False
+    flag = "--structured-outputs-config"
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{{\"enable_in_reasoning\": true}}'")
+    for key in body:
+        if key not in _STRUCTURED_KEYS:
+            raise ConfigError(f"{flag}: unknown key {key!r}; known: {', '.join(_STRUCTURED_KEYS)}")
+    if body.get("backend", "auto") not in _BACKENDS:
+        raise ConfigError(
+            f"{flag}: backend={body['backend']!r} is not available: asyncllm's is "
+            "llguidance ('guidance' or 'auto')"
+        )
+    enable = body.get("enable_in_reasoning", False)
+    if not isinstance(enable, bool):
+        raise ConfigError(f"{flag}: enable_in_reasoning must be true or false")
+    return enable
 
 
 def limit_fields() -> list[tuple[str, type, object]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.responses import Response
@@ -141,6 +141,7 @@ class ChatServing(ServingBase):
         params = req.sampling_params(max_tokens)
         if plan:
             params = constrain(req, plan, params)
+        params = self.after_reasoning(params)
         await self.check_params(params)
         self.limits.check_response_size(
             [len(ids)],
@@ -152,6 +153,19 @@ class ChatServing(ServingBase):
             stream=req.stream,
         )
         return Prepared(plan, text, ids, params, lora)
+
+    def after_reasoning(self, params: SamplingParams) -> SamplingParams:
+        """With a reasoning parser, a request's constraint (response_format,
+        structured_outputs, a forced tool call) applies to the answer after the
+        reasoning, which stays free text: constraining the reasoning would force
+        the answer's format onto the thinking, or leave no answer at all."""
+        constraint = params.structured_outputs
+        if self.reasoning_parser is None or constraint is None:
+            return params
+        if self.config.structured_outputs_in_reasoning:
+            return params
+        tags = self.reasoning_parser.tags
+        return params.clone(structured_outputs=replace(constraint, after_reasoning=tags))
 
     def parser(self, plan: ToolPlan | None) -> OutputParser | None:
         """A parser for one choice of a request with `plan` (None: plain text)."""

@@ -1,5 +1,6 @@
 """What a constrained request's output must match: one JSON schema, regex, choice
-list or grammar (vLLM's `StructuredOutputsParams`, same names).
+list or grammar (vLLM's `StructuredOutputsParams`, same names), applied to the
+whole output or, for a reasoning model, to the answer after its reasoning.
 
 A leaf module: the server and `SamplingParams` build it, the engine compiles it.
 Only shape and size are checked here (every size a client controls is bounded);
@@ -8,6 +9,7 @@ whether a schema, regex or grammar compiles is for the grammar compiler to say.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,9 @@ MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# The kind of a constraint that applies after the reasoning (see ReasoningTags).
+AFTER_REASONING = "after_reasoning"
+MAX_TAG_CHARS = 64
 
 
 def _fail(name: str, value: object, allowed: str) -> ConfigError:
@@ -29,17 +34,49 @@ def _fail(name: str, value: object, allowed: str) -> ConfigError:
     return ConfigError(f"StructuredOutputsParams.{name}={shown} is invalid: must be {allowed}")
 
 
+@dataclass(frozen=True)
+class ReasoningTags:
+    """Where a reasoning model's reasoning is, so that a constraint applies to
+    the answer after it and leaves the reasoning free (as vLLM does with a
+    reasoning parser). `open` None: the output starts inside the block (its
+    template opened it); else the block is optional and begins the output."""
+
+    close: str
+    open: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("close", "open"):
+            tag = getattr(self, name)
+            if tag is None and name == "open":
+                continue
+            if (
+                not isinstance(tag, str)
+                or not tag
+                or len(tag) > MAX_TAG_CHARS
+                or not all(c.isascii() and c.isprintable() and c not in ' "\\' for c in tag)
+            ):
+                raise _fail(
+                    f"after_reasoning.{name}",
+                    tag,
+                    f"printable ASCII without spaces, quotes or backslashes, "
+                    f"at most {MAX_TAG_CHARS} chars",
+                )
+
+
 @dataclass
 class StructuredOutputsParams:
     """Exactly one of the fields is set. `json` is a JSON schema (a dict or its
     JSON text); `json_object=True` asks for any JSON object; `grammar` is a Lark
-    grammar (llguidance's dialect)."""
+    grammar (llguidance's dialect). `after_reasoning` (not vLLM's: the server
+    sets it from its reasoning parser) applies the constraint to the answer
+    only."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    after_reasoning: ReasoningTags | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -97,6 +134,16 @@ class StructuredOutputsParams:
     def from_spec(cls, kind: str, spec: str) -> StructuredOutputsParams:
         """The inverse of (`kind`, `spec()`): how the engine core rebuilds it from
         the wire. Raises ConfigError as the constructor does."""
+        if kind == AFTER_REASONING:
+            try:
+                body = json.loads(spec)
+                tags = ReasoningTags(close=body["close"], open=body["open"])
+                answer = cls.from_spec(body["kind"], body["spec"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise _fail(AFTER_REASONING, spec, f"an answer after reasoning ({e})") from None
+            if answer.after_reasoning is not None:
+                raise _fail(AFTER_REASONING, spec, "one level of reasoning")
+            return dataclasses.replace(answer, after_reasoning=tags)
         if kind == "json":
             return cls(json=spec)
         if kind == "choice":
@@ -114,14 +161,28 @@ class StructuredOutputsParams:
         raise ConfigError(f"StructuredOutputsParams: unknown kind {kind!r}; one of {KINDS}")
 
     @property
-    def kind(self) -> str:
-        """Which constraint this is: one of KINDS."""
+    def answer_kind(self) -> str:
+        """Which constraint the output (or the answer) matches: one of KINDS."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def kind(self) -> str:
+        """The kind the compiler gets: `answer_kind`, or AFTER_REASONING."""
+        return self.answer_kind if self.after_reasoning is None else AFTER_REASONING
 
     def spec(self) -> str:
         """The constraint as text for the compiler: the schema as JSON text, the
-        regex or grammar as given, the choices as a JSON list, "" for json_object."""
-        kind = self.kind
+        regex or grammar as given, the choices as a JSON list, "" for json_object;
+        after reasoning, the tags with the answer's kind and spec as JSON."""
+        tags = self.after_reasoning
+        if tags is not None:
+            answer = {"kind": self.answer_kind, "spec": self.answer_spec()}
+            return json.dumps({"open": tags.open, "close": tags.close, **answer})
+        return self.answer_spec()
+
+    def answer_spec(self) -> str:
+        """`spec()` of the constraint alone, without the reasoning."""
+        kind = self.answer_kind
         if kind == "json":
             return self.json if isinstance(self.json, str) else json.dumps(self.json)
         if kind == "choice":

@@ -117,7 +117,7 @@ pub fn random_add_request(rng: &mut Rng) -> AddRequest {
         presence_penalty: rng.f32(),
         cache_salt: rng.opt(|r| r.string(20)),
         structured_outputs: rng.opt(|r| StructuredSpec {
-            kind: STRUCTURED_KINDS[r.below(5) as usize].to_string(),
+            kind: STRUCTURED_KINDS[r.below(STRUCTURED_KINDS.len() as u64) as usize].to_string(),
             spec: r.string(40),
         }),
         logit_bias: rng.u32s(3).into_iter().map(|t| (t, rng.f32())).collect(),

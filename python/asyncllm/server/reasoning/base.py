@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from asyncllm.structured_output.params import ReasoningTags
+
 
 @dataclass
 class ReasoningDelta:
@@ -39,6 +41,8 @@ class ReasoningParser(ABC):
     under `name` (the `--reasoning-parser` value)."""
 
     name: ClassVar[str]
+    # where the reasoning is, for a constraint that applies to the answer only
+    tags: ClassVar[ReasoningTags]
 
     @abstractmethod
     def feed(self, text: str) -> ReasoningDelta:

@@ -14,6 +14,7 @@ Whitespace between `</think>` and the answer is dropped, as vLLM's parsers do.
 from __future__ import annotations
 
 from asyncllm.server.reasoning.base import ReasoningDelta, ReasoningParser, partial_suffix
+from asyncllm.structured_output.params import ReasoningTags
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -73,8 +74,10 @@ class ThinkParser(ReasoningParser):
 class DeepSeekR1ReasoningParser(ThinkParser):
     name = "deepseek_r1"
     starts_in_reasoning = True
+    tags = ReasoningTags(close=CLOSE)
 
 
 class Qwen3ReasoningParser(ThinkParser):
     name = "qwen3"
     starts_in_reasoning = False
+    tags = ReasoningTags(close=CLOSE, open=OPEN)
