@@ -186,8 +186,8 @@ def main() -> None:
     ]  # fmt: skip
     llm = LLM(str(model), multiprocess=False, dtype="float32", enable_lora=True, max_loras=8,
               max_lora_rank=16, max_num_seqs=64)  # fmt: skip
+    times = load_times(llm, loras)  # "first": the engine's slots never written yet
     if args.load_only:
-        times = load_times(llm, loras)  # first: the engine's slots never written yet
         rate(llm, 64, loras, "greedy", 8)  # warm up
         steps = {"64 streams": 64 / rate(llm, 64, loras, "greedy", args.tokens),
                  "batch 1": 1 / rate(llm, 1, loras[:1], "greedy", args.tokens)}  # fmt: skip
@@ -210,7 +210,6 @@ def main() -> None:
                 rates.setdefault((case, kind, "lora"), []).append(a)
                 ratios.setdefault((case, kind), []).append(a / b)
                 print(r, case, kind, f"base {b:.1f} lora {a:.1f} tok/s", flush=True)
-    times = load_times(llm, loras)  # "first" is not: the warm-up wrote every slot
     llm.shutdown()
     print("\n| case | sampling | base tok/s | adapters tok/s | adapters / base |")
     print("|---|---|---:|---:|---:|")
