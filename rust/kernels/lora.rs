@@ -136,7 +136,10 @@ fn check<E: Elem>(
 }
 
 fn check_parts(s: LoraShape, parts: &[usize]) -> Result<(), KernelError> {
-    if parts.is_empty() || s.width % parts.len() != 0 || parts.iter().sum::<usize>() != s.n {
+    if parts.is_empty()
+        || !s.width.is_multiple_of(parts.len())
+        || parts.iter().sum::<usize>() != s.n
+    {
         return Err(KernelError::Shape(format!(
             "lora_add: parts {parts:?} must split n={} outputs, and width={} into equal \
              rank blocks",
@@ -303,8 +306,11 @@ mod tests {
             err.to_string().contains("token 1 has slot 1, not in -1..1"),
             "{err}"
         );
-        let err = lora_add(shape, &[1, 3], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
-        assert!(err.to_string().contains("parts [1, 3] must split"), "{err}");
+        let err = lora_add(shape, &[1, 2], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
+        assert!(
+            err.to_string().contains("parts [1, 2] must split n=4"),
+            "{err}"
+        );
         let err = lora_add(shape, &[2, 1, 1], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
         assert!(err.to_string().contains("equal rank blocks"), "{err}");
         assert!(y.iter().all(|&v| v == 1.0));
