@@ -12,7 +12,9 @@ Each round alternates, in one engine: base rows vs adapter rows for
 greedy (temperature 0) and sampled (temperature 1.0, top_p 0.95, a seed per
 request) rows; tokens/s per run, medians of the per-round ratios. Also: the time
 to read a rank-16 adapter into the host's cache (`HostAdapters.read`, median of
-10) and to write it into a device slot (`DeviceSlots.acquire`).
+10) and to write adapters into the device slots (`DeviceSlots.acquire`, on the
+busy loop: first writes into a fresh engine's slots, and later ones), beside the
+time of a decode step (a switch should cost at most about one step).
 
 `--kernels` times the two LoRA kernels alone (lora.kernel: the rust one and the
 torch one) on the small model's projections at 64 tokens over 8 rank-16 adapters
@@ -65,27 +67,47 @@ def rate(llm: LLM, streams: int, loras: list[LoRARequest | None], kind: str, tok
     return n / (time.perf_counter() - t0)
 
 
-def load_times(llm: LLM, lora: LoRARequest) -> tuple[float, float]:
-    """(median ms to read + check the adapter, ms to write it into a free slot)."""
+def load_times(llm: LLM, loras: list[LoRARequest]) -> dict[str, list[float]]:
+    """Milliseconds to read an adapter into the host's cache (read, check and lay
+    out for the slots: `HostAdapters.read`, 10 times), and to write adapters into
+    the device slots (`DeviceSlots.acquire`, on the busy loop in an engine): first
+    into each slot of a fresh engine ("first"), then rewriting every slot with
+    another adapter, three times ("later")."""
     model = llm.engine.core.runner.lora
-    reads = []
+    times: dict[str, list[float]] = {"read": [], "first": [], "later": []}
     for _ in range(10):
         t0 = time.perf_counter()
-        adapter = model.host.read(lora)
-        reads.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    slot = model.slots.acquire(adapter)
-    write = time.perf_counter() - t0
-    model.slots.release(slot)
-    return median(reads) * 1e3, write * 1e3
+        model.host.read(loras[0])
+        times["read"].append((time.perf_counter() - t0) * 1e3)
+    for phase in ("first", "later", "later", "later"):
+        adapters = [model.host.read(lora) for lora in loras]  # new objects: rewrites
+        slots = []
+        for adapter in adapters:
+            t0 = time.perf_counter()
+            slots.append(model.slots.acquire(adapter))
+            times[phase].append((time.perf_counter() - t0) * 1e3)
+        for slot in slots:
+            model.slots.release(slot)
+    return times
 
 
-# (name, k, fused projections, n) of the small model's adapted layers
+def print_load_times(times: dict[str, list[float]], step_ms: dict[str, float]) -> None:
+    print(
+        f"\nrank-16 adapter: read + check + lay out {median(times['read']):.1f} ms (median "
+        f"of 10); write into a slot: first {median(times['first']):.2f} ms (median of 8, max "
+        f"{max(times['first']):.2f}), later {median(times['later']):.2f} ms (median of 24, "
+        f"max {max(times['later']):.2f})"
+    )
+    for case, ms in step_ms.items():
+        print(f"a decode step, {case} with adapters: {ms:.2f} ms (from its tokens/s)")
+
+
+# (name, k, fused projections' outputs) of the small model's adapted layers
 LAYERS = (
-    ("qkv", 512, 3, 1024),
-    ("o", 512, 1, 512),
-    ("gate_up", 512, 2, 3072),
-    ("down", 1536, 1, 512),
+    ("qkv", 512, [512, 256, 256]),
+    ("o", 512, [512]),
+    ("gate_up", 512, [1536, 1536]),
+    ("down", 1536, [512]),
 )
 
 
@@ -95,17 +117,20 @@ def rust_on_copy(rust: partial, y: torch.Tensor) -> None:
 
 
 def bench_kernels(rounds: int) -> None:
-    """Rust vs torch LoRA kernel per layer shape and token count (µs per call)."""
+    """Rust vs torch LoRA kernel per layer shape and token count (µs per call); and
+    the rust one told the layer is one projection ("whole rows": its expand walks
+    every row of B across all outputs, zero blocks included, as before it took
+    the fused parts)."""
     import numpy as np
 
     from asyncllm.lora.kernel import lora_add_rust, lora_add_torch
     from asyncllm.models.linear_kernels import as_buffer
 
     threads = torch.get_num_threads()
-    print("\n| layer | tokens | rust µs | torch µs | rust / torch |")
-    print("|---|---:|---:|---:|---:|")
-    for name, k, fused, n in LAYERS:
-        width = fused * 16
+    print("\n| layer | tokens | rust µs | rust, whole rows µs | torch µs | rust / torch |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, k, parts in LAYERS:
+        width, n = len(parts) * 16, sum(parts)
         a = torch.randn(8, k, width) * 0.01
         b = torch.randn(8, width, n) * 0.01
         a_buf, b_buf = as_buffer(a.view(-1, width)), as_buffer(b.view(-1, n))
@@ -119,12 +144,14 @@ def bench_kernels(rounds: int) -> None:
                 for s in sorted(set(slots.tolist()))
             )
             single = 0 if tokens == 1 else None
-            rust = partial(lora_add_rust, y, x, a_buf, b_buf, slots, threads)
+            rust = partial(lora_add_rust, y, x, a_buf, b_buf, slots, parts, threads)
+            whole = partial(lora_add_rust, y, x, a_buf, b_buf, slots, [n], threads)
             fns = {
                 "rust": lambda rust=rust, y=y: rust_on_copy(rust, y),
+                "whole": lambda whole=whole, y=y: rust_on_copy(whole, y),
                 "torch": partial(lora_add_torch, y, x, a, b, single, order, segs),
             }
-            times: dict[str, list[float]] = {"rust": [], "torch": []}
+            times: dict[str, list[float]] = {kind: [] for kind in fns}
             for _ in range(rounds):
                 for kind, fn in fns.items():
                     fn()
@@ -132,8 +159,8 @@ def bench_kernels(rounds: int) -> None:
                     for _ in range(20):
                         fn()
                     times[kind].append((time.perf_counter() - t0) / 20 * 1e6)
-            r, t = median(times["rust"]), median(times["torch"])
-            print(f"| {name} | {tokens} | {r:.1f} | {t:.1f} | {r / t:.2f} |", flush=True)
+            r, w, t = (median(times[kind]) for kind in ("rust", "whole", "torch"))
+            print(f"| {name} | {tokens} | {r:.1f} | {w:.1f} | {t:.1f} | {r / t:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -159,12 +186,13 @@ def main() -> None:
     ]  # fmt: skip
     llm = LLM(str(model), multiprocess=False, dtype="float32", enable_lora=True, max_loras=8,
               max_lora_rank=16, max_num_seqs=64)  # fmt: skip
+    times = load_times(llm, loras)  # "first": the engine's slots never written yet
     if args.load_only:
-        read_ms, write_ms = load_times(llm, loras[0])
-        print(
-            f"rank-16 adapter: read + check {read_ms:.1f} ms, write into a slot {write_ms:.1f} ms"
-        )
+        rate(llm, 64, loras, "greedy", 8)  # warm up
+        steps = {"64 streams": 64 / rate(llm, 64, loras, "greedy", args.tokens),
+                 "batch 1": 1 / rate(llm, 1, loras[:1], "greedy", args.tokens)}  # fmt: skip
         llm.shutdown()
+        print_load_times(times, {case: s * 1e3 for case, s in steps.items()})
         return
     cases = {
         "64 streams": (64, [None], loras),
@@ -182,14 +210,17 @@ def main() -> None:
                 rates.setdefault((case, kind, "lora"), []).append(a)
                 ratios.setdefault((case, kind), []).append(a / b)
                 print(r, case, kind, f"base {b:.1f} lora {a:.1f} tok/s", flush=True)
-    read_ms, write_ms = load_times(llm, LoRARequest("fresh", 99, loras[0].lora_path))
     llm.shutdown()
     print("\n| case | sampling | base tok/s | adapters tok/s | adapters / base |")
     print("|---|---|---:|---:|---:|")
     for (case, kind), rs in ratios.items():
         b, a = median(rates[(case, kind, "base")]), median(rates[(case, kind, "lora")])
         print(f"| {case} | {kind} | {b:.1f} | {a:.1f} | {median(rs):.3f} |")
-    print(f"\nrank-16 adapter: read + check {read_ms:.1f} ms, write into a slot {write_ms:.1f} ms")
+    steps = {
+        case: median(streams / a for a in rates[(case, "greedy", "lora")])
+        for case, streams in (("64 streams", 64), ("batch 1", 1))
+    }
+    print_load_times(times, {case: s * 1e3 for case, s in steps.items()})
 
 
 if __name__ == "__main__":

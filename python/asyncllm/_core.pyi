@@ -569,14 +569,22 @@ def _linear(out: _Buffer, x: _Buffer, w: _Buffer, bias: _Buffer | None, num_thre
     (asyncllm.models.linear_kernels) promises no thread writes w or out meanwhile."""
 
 def _lora_add(
-    y: _Buffer, x: _Buffer, a: _Buffer, b: _Buffer, token_slot: _Buffer, num_threads: int
+    y: _Buffer,
+    x: _Buffer,
+    a: _Buffer,
+    b: _Buffer,
+    token_slot: _Buffer,
+    parts: list[int],
+    num_threads: int,
 ) -> None:
     """y[t] += (x[t] . A[s]) . B[s] for each token t whose slot s = token_slot[t]
     (int64) is not -1 (rust/kernels/lora.rs), tokens grouped by slot, on the kernel
     team with the GIL released. y [t, n], x [t, k], a [slots * k, width], b
     [slots * width, n] share a dtype: float32, or bfloat16 as its bits (int16).
-    Raises ValueError on a wrong dtype, shape, layout or slot, before anything is
-    written. Private: the one caller (asyncllm.lora.kernel) promises y is a fresh
+    `parts`: the output sizes of the fused projections; width is as many equal rank
+    blocks, and B is read only in its diagonal blocks (block p's rows in part p's
+    columns). Raises ValueError on a wrong dtype, shape, layout, part or slot,
+    before anything is written. Private: the one caller (asyncllm.lora.kernel) promises y is a fresh
     output and nothing writes x, a or b meanwhile."""
 
 def _gguf_dequantize(qtype_name: str, raw: _Buffer, out: _Buffer) -> None:

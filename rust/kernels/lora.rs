@@ -5,6 +5,11 @@
 //! Layout (`asyncllm.lora.layers`): `a` is `[slots, k, width]` and `b` is
 //! `[slots, width, n]`, row-major, so both products stream rows of the matrix
 //! against one vector per token (`axpy` over `width` or `n`, the vector lanes).
+//! A layer that fuses projections (q/k/v, gate/up) has `parts`, their output
+//! sizes: `width` is `parts.len()` rank blocks of equal size, and block `p`'s
+//! rows of `b` are read only in part `p`'s columns (the rest of `b` is zero by
+//! construction, block-diagonal, and is never read: the expand does a third of
+//! the walk for q/k/v, half for gate/up).
 //!
 //! Work items are up to `ITEM_ROWS` tokens of one slot (tokens are grouped by
 //! slot first), so each adapter row read from memory serves several tokens; the
@@ -33,10 +38,13 @@ pub struct LoraShape {
 }
 
 /// `y[t] += (x[t] · a[s]) · b[s]` for each token `t` whose slot `s = token_slot[t]`
-/// is not -1, on `num_threads` threads of the kernel team. Checks every size and
-/// slot first; on error `y` is untouched.
+/// is not -1, on `num_threads` threads of the kernel team, `b` read block-diagonal
+/// by `parts` (the output sizes of the fused projections; `[n]`: one). Checks
+/// every size and slot first; on error `y` is untouched.
+#[allow(clippy::too_many_arguments)]
 pub fn lora_add<E: Elem>(
     shape: LoraShape,
+    parts: &[usize],
     y: &mut [E],
     x: &[E],
     a: &[E],
@@ -45,8 +53,16 @@ pub fn lora_add<E: Elem>(
     num_threads: usize,
 ) -> Result<(), KernelError> {
     check(shape, y, x, a, b, token_slot)?;
+    check_parts(shape, parts)?;
     let isa = LinearIsa::detect()?;
     let LoraShape { k, width, n, .. } = shape;
+    // Column bounds of each part, and of the rank block of each row of `b`.
+    let mut bounds = vec![0];
+    bounds.extend(parts.iter().scan(0, |end, &size| {
+        *end += size;
+        Some(*end)
+    }));
+    let rank = width / parts.len();
     // Tokens grouped by slot (stable: in order within a slot).
     let mut order: Vec<usize> = (0..shape.tokens).filter(|&t| token_slot[t] >= 0).collect();
     order.sort_by_key(|&t| token_slot[t]);
@@ -69,6 +85,8 @@ pub fn lora_add<E: Elem>(
                 x: x_rows,
                 y: y_rows,
                 width,
+                rank,
+                bounds: &bounds,
             });
         }
     }
@@ -117,6 +135,20 @@ fn check<E: Elem>(
     Ok(())
 }
 
+fn check_parts(s: LoraShape, parts: &[usize]) -> Result<(), KernelError> {
+    if parts.is_empty()
+        || !s.width.is_multiple_of(parts.len())
+        || parts.iter().sum::<usize>() != s.n
+    {
+        return Err(KernelError::Shape(format!(
+            "lora_add: parts {parts:?} must split n={} outputs, and width={} into equal \
+             rank blocks",
+            s.n, s.width
+        )));
+    }
+    Ok(())
+}
+
 /// Up to `ITEM_ROWS` tokens of one slot, with that slot's matrices.
 struct Item<'a, E> {
     isa: LinearIsa,
@@ -125,6 +157,9 @@ struct Item<'a, E> {
     x: Vec<&'a [E]>,
     y: Vec<&'a mut [E]>,
     width: usize,
+    /// Rows of `b` per part, and the parts' column bounds (`parts.len() + 1`).
+    rank: usize,
+    bounds: &'a [usize],
 }
 
 impl<E: Elem> VectorBody for Item<'_, E> {
@@ -139,14 +174,17 @@ impl<E: Elem> VectorBody for Item<'_, E> {
                 axpy::<S, E>(&mut h[r * width..(r + 1) * width], x[i].to_f32(), a_row);
             }
         }
-        // expand: d[r] = h[r] · B, skipping the zero-padded ranks
+        // expand: d[r] = h[r] · B, each row of B over its part's columns only,
+        // skipping the zero-padded ranks and the parts an adapter leaves alone
         let mut d = vec![0f32; rows * n];
         for (j, b_row) in self.b.chunks_exact(n).enumerate() {
             if (0..rows).all(|r| h[r * width + j] == 0.0) {
                 continue;
             }
+            let (lo, hi) = (self.bounds[j / self.rank], self.bounds[j / self.rank + 1]);
             for r in 0..rows {
-                axpy::<S, E>(&mut d[r * n..(r + 1) * n], h[r * width + j], b_row);
+                let out = &mut d[r * n + lo..r * n + hi];
+                axpy::<S, E>(out, h[r * width + j], &b_row[lo..hi]);
             }
         }
         for (y, d) in self.y.into_iter().zip(d.chunks_exact(n)) {
@@ -194,6 +232,16 @@ mod tests {
             .collect()
     }
 
+    /// Three fused parts of 7, 6 and 8 outputs, rank 4 each.
+    const PARTS: [usize; 3] = [7, 6, 8];
+
+    /// Whether `b`'s element at rank row `j`, column `o` is in its part's block.
+    fn in_block(j: usize, o: usize) -> bool {
+        let p = j / 4;
+        let lo: usize = PARTS[..p].iter().sum();
+        (lo..lo + PARTS[p]).contains(&o)
+    }
+
     #[test]
     fn mixed_slots_match_the_per_token_products() {
         let shape = LoraShape {
@@ -205,18 +253,24 @@ mod tests {
         };
         let x = values(shape.tokens * shape.k, 1);
         let a = values(shape.slots * shape.k * shape.width, 2);
-        let b = values(shape.slots * shape.width * shape.n, 3);
+        // b block-diagonal, as laid out; NaN off the blocks, which are never read
+        let mut b = values(shape.slots * shape.width * shape.n, 3);
+        for (i, v) in b.iter_mut().enumerate() {
+            if !in_block(i / shape.n % shape.width, i % shape.n) {
+                *v = f32::NAN;
+            }
+        }
         let y0 = values(shape.tokens * shape.n, 4);
         let slots = [2, -1, 0, 2, 1, 1, -1, 0, 2, 2, 0];
         for threads in [1, 3] {
             let mut y = y0.clone();
-            lora_add(shape, &mut y, &x, &a, &b, &slots, threads).unwrap();
+            lora_add(shape, &PARTS, &mut y, &x, &a, &b, &slots, threads).unwrap();
             for (t, &s) in slots.iter().enumerate() {
                 for o in 0..shape.n {
                     let mut want = y0[t * shape.n + o] as f64;
                     if s >= 0 {
                         let s = s as usize;
-                        for j in 0..shape.width {
+                        for j in (0..shape.width).filter(|&j| in_block(j, o)) {
                             let h: f64 = (0..shape.k)
                                 .map(|i| {
                                     x[t * shape.k + i] as f64
@@ -247,11 +301,18 @@ mod tests {
         };
         let mut y = vec![1.0f32; 8];
         let (x, a, b) = (vec![1.0f32; 6], vec![1.0f32; 6], vec![1.0f32; 8]);
-        let err = lora_add(shape, &mut y, &x, &a, &b, &[0, 1], 1).unwrap_err();
+        let err = lora_add(shape, &[4], &mut y, &x, &a, &b, &[0, 1], 1).unwrap_err();
         assert!(
             err.to_string().contains("token 1 has slot 1, not in -1..1"),
             "{err}"
         );
+        let err = lora_add(shape, &[1, 2], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
+        assert!(
+            err.to_string().contains("parts [1, 2] must split n=4"),
+            "{err}"
+        );
+        let err = lora_add(shape, &[2, 1, 1], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
+        assert!(err.to_string().contains("equal rank blocks"), "{err}");
         assert!(y.iter().all(|&v| v == 1.0));
     }
 }

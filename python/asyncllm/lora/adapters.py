@@ -17,22 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora.layers import Pair, SlotContents, lay_out_slot
 from asyncllm.lora.peft import read_adapter
 from asyncllm.lora.request import LoRARequest
 from asyncllm.lora.targets import LoRATarget
 
-Pair = tuple[torch.Tensor, torch.Tensor]
-
 
 @dataclass(eq=False, slots=True)
 class LoadedAdapter:
-    """An adapter ready for a slot: per target, per fused projection, its
-    (A, scaled B) in the model's dtype, or None. Compared by identity: a reload
-    is another adapter."""
+    """An adapter ready for a slot: per target, its slot contents in the model's
+    dtype, laid out as the slots hold them (`lora.layers.lay_out_slot`: a slot
+    write is a copy), or None where it adapts none of the target's projections.
+    Host memory per adapter is one slot's. Compared by identity: a reload is
+    another adapter."""
 
     request: LoRARequest
     rank: int
-    pairs: list[list[Pair | None]]
+    contents: list[SlotContents | None]
     cache_key: str  # its prefix-cache identity (name, id, path and file identity)
 
 
@@ -82,11 +83,19 @@ class HostAdapters:
             return [a.request.lora_name for a in self._by_id.values()]
 
     def read(self, request: LoRARequest) -> LoadedAdapter:
-        """Read and check an adapter against the targets (not cached)."""
+        """Read and check an adapter against the targets, laid out for the slots
+        (not cached)."""
         tensors = read_adapter(request.lora_path, self.max_rank)
         modules = dict(tensors.modules)
-        pairs = [
-            [self._take(modules, src, t, k) for k, src in enumerate(t.sources)]
+        contents = [
+            lay_out_slot(
+                [self._take(modules, src, t, k) for k, src in enumerate(t.sources)],
+                t.in_features,
+                t.slices,
+                self.max_rank,
+                tensors.scale,
+                self.dtype,
+            )
             for t in self.targets
         ]
         if modules:
@@ -96,7 +105,7 @@ class HostAdapters:
                 f"this model adapts (the targets are {', '.join(known)} of each layer)"
             )
         key = f"{request.cache_key}\0{tensors.identity}"
-        return LoadedAdapter(request, tensors.rank, pairs, key)
+        return LoadedAdapter(request, tensors.rank, contents, key)
 
     def _take(
         self, modules: dict[str, Pair], source: str, target: LoRATarget, k: int
@@ -111,4 +120,4 @@ class HostAdapters:
                 f"{tuple(b.shape)} do not fit the layer ({target.in_features} inputs, "
                 f"{target.slices[k]} outputs)"
             )
-        return a.to(self.dtype), b.to(self.dtype)
+        return a, b

@@ -21,6 +21,38 @@ from torch import nn
 from asyncllm.lora.kernel import lora_add_rust, lora_add_torch
 from asyncllm.models.linear_kernels import as_buffer
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+SlotContents = tuple[torch.Tensor, torch.Tensor]  # one slot's (a, b) of one layer
+
+
+def lay_out_slot(
+    pairs: list[Pair | None],
+    in_features: int,
+    slices: tuple[int, ...],
+    max_rank: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> SlotContents | None:
+    """One layer's slot contents for an adapter, laid out as `LoRALinear` stores
+    them (a [in, S * R], b [S * R, out], `scale` folded into b) from its
+    per-projection float32 (A [r, in], B [out_k, r]) or None; None when it adapts
+    none of them. Run when the host reads the adapter, off the busy loop, so a
+    slot write is a plain copy. In numpy: one thread, no OpenMP team to wait on."""
+    if all(pair is None for pair in pairs):
+        return None
+    width = len(slices) * max_rank
+    a = np.zeros((in_features, width), dtype=np.float32)
+    b = np.zeros((width, sum(slices)), dtype=np.float32)
+    offset = 0
+    for k, (size, pair) in enumerate(zip(slices, pairs, strict=True)):
+        if pair is not None:
+            la, lb = pair[0].numpy(), pair[1].numpy()
+            rows = slice(k * max_rank, k * max_rank + la.shape[0])
+            a[:, rows] = la.T
+            np.multiply(lb.T, np.float32(scale), out=b[rows, offset : offset + size])
+        offset += size
+    return torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
+
 
 class LoRAStep:
     """The step's tokens as the layers see them: `active` (any token has an
@@ -66,12 +98,15 @@ class LoRALinear(nn.Module):
         if sum(slices) != self.out_features:
             raise ValueError(f"slices {slices} do not add up to {self.out_features} outputs")
         self.slices = slices
+        self._parts = list(slices)  # as the rust kernel takes them
         self.max_rank = max_rank
         width = len(slices) * max_rank
         shape_a, shape_b = (
             (num_slots, self.in_features, width),
             (num_slots, width, self.out_features),
         )
+        # zeroed now, so every page of the slots is touched at start: a first write
+        # into a slot is a copy like any later one, not page faults on the busy loop
         self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device))
         self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.step = step
@@ -82,20 +117,23 @@ class LoRALinear(nn.Module):
             as_buffer(self.b.view(-1, self.out_features)) if step.kernel == "rust" else None
         )
 
-    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Write one adapter into `slot`: per fused projection (A [r, in], scaled
-        B [out_k, r]) or None where the adapter leaves it alone."""
-        a, b, r_max = self.a[slot], self.b[slot], self.max_rank
-        a.zero_()
-        b.zero_()
-        offset = 0
-        for k, (size, pair) in enumerate(zip(self.slices, pairs, strict=True)):
-            if pair is not None:
-                la, lb = pair
-                r = la.shape[0]
-                a[:, k * r_max : k * r_max + r] = la.t()
-                b[k * r_max : k * r_max + r, offset : offset + size] = lb.t()
-            offset += size
+    def set_slot(self, slot: int, contents: SlotContents | None) -> None:
+        """Write one adapter into `slot` (on the busy loop): `contents` laid out by
+        `lay_out_slot` off it, so this is two plain copies; None (the adapter
+        leaves this layer alone) zeroes the slot."""
+        a, b = self.a[slot], self.b[slot]
+        if a.device.type != "cpu":
+            for dst, src in zip((a, b), contents or (None, None), strict=True):
+                dst.zero_() if src is None else dst.copy_(src)
+            return
+        # numpy on the CPU: one thread. torch's copy_ splits a slot over the OpenMP
+        # team, whose barrier waits for a descheduled thread on busy cores (12-16 ms
+        # instead of 1 ms for 6 MB on the 2-core VM under load: benches/RESULTS.md).
+        for dst, src in zip((a, b), contents or (None, None), strict=True):
+            if src is None:
+                as_buffer(dst).fill(0)
+            else:
+                np.copyto(as_buffer(dst), as_buffer(src))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
@@ -103,7 +141,9 @@ class LoRALinear(nn.Module):
         if not step.active:
             return y
         if self._a_buf is not None and self._b_buf is not None:
-            return lora_add_rust(y, x, self._a_buf, self._b_buf, step.token_slot, step.num_threads)
+            return lora_add_rust(
+                y, x, self._a_buf, self._b_buf, step.token_slot, self._parts, step.num_threads
+            )
         return lora_add_torch(y, x, self.a, self.b, step.single, step.order, step.segments)
 
     def extra_repr(self) -> str:

@@ -1,9 +1,9 @@
 """Reading an adapter in PEFT's format: adapter_config.json + adapter_model.safetensors.
 
 Why a reader of our own: peft itself needs the base model in memory as a transformers
-module; the engine needs only each target module's two matrices, scaled as PEFT
-scales them (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`), so the
-scale is folded into B here, once.
+module; the engine needs only each target module's two matrices and the scale PEFT
+applies (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`), which is
+folded into B once, when the adapter is laid out for the slots (`lora.layers`).
 
 Everything the adapter file claims is checked against what the engine can hold:
 its rank against `max_lora_rank`, its tensors' shapes against each other. Features
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora.safetensors_file import read_tensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,10 +34,11 @@ _PREFIX = "base_model.model."
 @dataclass(frozen=True, slots=True)
 class AdapterTensors:
     """An adapter's matrices by the Hugging Face module path they adapt
-    ("model.layers.0.self_attn.q_proj"): (A [r, in], B [out, r] with the scale
-    folded in), in float32 on the host."""
+    ("model.layers.0.self_attn.q_proj"): (A [r, in], B [out, r]) in float32 on
+    the host, and the `scale` of B."""
 
     rank: int
+    scale: float
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
     identity: str  # the weight file's path, size and mtime: a reload sees new files
 
@@ -52,16 +54,10 @@ def read_adapter(path: str, max_rank: int) -> AdapterTensors:
         )
     rank, alpha, rslora = _read_config(config_file, max_rank)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(weights_file), device="cpu")
-    except Exception as exc:  # safetensors raises its own error types
-        raise InvalidRequestError(f"LoRA adapter {weights_file}: unreadable ({exc})") from None
-    modules = _pair_tensors(tensors, weights_file, rank, scale)
+    modules = _pair_tensors(read_tensors(weights_file), weights_file, rank)
     stat = os.stat(weights_file)
-    identity = f"{weights_file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return AdapterTensors(rank, modules, identity)
+    identity = f"{os.path.realpath(weights_file)}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return AdapterTensors(rank, scale, modules, identity)
 
 
 def _read_config(file: Path, max_rank: int) -> tuple[int, float, bool]:
@@ -94,9 +90,9 @@ def _read_config(file: Path, max_rank: int) -> tuple[int, float, bool]:
 
 
 def _pair_tensors(
-    tensors: dict[str, torch.Tensor], file: Path, rank: int, scale: float
+    tensors: dict[str, torch.Tensor], file: Path, rank: int
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Module path -> (A, scale * B), every key and shape checked."""
+    """Module path -> (A, B) in float32, every key and shape checked."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         stem, _, which = key.removesuffix(".weight").rpartition(".")
@@ -116,7 +112,7 @@ def _pair_tensors(
                 f"{file}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
                 f"{tuple(b.shape)}; with r={rank} expected [r, in] and [out, r]"
             )
-        modules[module] = (a.float().contiguous(), (b.float() * scale).contiguous())
+        modules[module] = (a.float(), b.float())
     if not modules:
         raise InvalidRequestError(f"{file}: no LoRA matrices")
     return modules

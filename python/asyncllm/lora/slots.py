@@ -30,8 +30,8 @@ class DeviceSlots:
             slot = held[0]
         else:
             slot = self._free_slot(adapter)
-            for layer, pairs in zip(self.layers, adapter.pairs, strict=True):
-                layer.set_slot(slot, pairs)
+            for layer, contents in zip(self.layers, adapter.contents, strict=True):
+                layer.set_slot(slot, contents)
             self.held[slot] = adapter
             self.num_loads += 1
         self.refs[slot] += 1
