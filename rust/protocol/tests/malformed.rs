@@ -192,7 +192,7 @@ fn structured_specs_are_checked() {
     assert_eq!(
         err(&with("xml", "{}".into())),
         "malformed frame: AddRequests[0].structured_outputs: kind \"xml\" is not one of \
-         json, regex, choice, grammar, json_object"
+         json, regex, choice, grammar, json_object, after_reasoning"
     );
     assert_eq!(
         err(&with("regex", "a".repeat(MAX_STRUCTURED_SPEC_BYTES + 1))),
