@@ -9,9 +9,8 @@ whether a schema, regex or grammar compiles is for the grammar compiler to say.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncllm.errors import ConfigError
@@ -45,22 +44,24 @@ class ReasoningTags:
     open: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("close", "open"):
-            tag = getattr(self, name)
-            if tag is None and name == "open":
-                continue
-            if (
-                not isinstance(tag, str)
-                or not tag
-                or len(tag) > MAX_TAG_CHARS
-                or not all(c.isascii() and c.isprintable() and c not in ' "\\' for c in tag)
-            ):
-                raise _fail(
-                    f"after_reasoning.{name}",
-                    tag,
-                    f"printable ASCII without spaces, quotes or backslashes, "
-                    f"at most {MAX_TAG_CHARS} chars",
-                )
+        _check_tag("close", self.close)
+        if self.open is not None:
+            _check_tag("open", self.open)
+
+
+def _check_tag(name: str, tag: object) -> None:
+    """A tag the grammar can spell as a literal without escaping."""
+    if (
+        not isinstance(tag, str)
+        or not tag
+        or len(tag) > MAX_TAG_CHARS
+        or not all(c.isascii() and c.isprintable() and c not in ' "\\' for c in tag)
+    ):
+        raise _fail(
+            f"after_reasoning.{name}",
+            tag,
+            f"printable ASCII without spaces, quotes or backslashes, at most {MAX_TAG_CHARS} chars",
+        )
 
 
 @dataclass
@@ -143,7 +144,7 @@ class StructuredOutputsParams:
                 raise _fail(AFTER_REASONING, spec, f"an answer after reasoning ({e})") from None
             if answer.after_reasoning is not None:
                 raise _fail(AFTER_REASONING, spec, "one level of reasoning")
-            return dataclasses.replace(answer, after_reasoning=tags)
+            return replace(answer, after_reasoning=tags)
         if kind == "json":
             return cls(json=spec)
         if kind == "choice":
