@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from torch import nn
 
+from asyncllm.models import kernel_rows
 from asyncllm.models.gguf.layers import FUSED_MAX_ROWS, GGUF_KERNELS, GGUFLinear
 from asyncllm.models.linear_kernels import BUCKETS
 from asyncllm.worker.gguf_select import select_gguf_kernels
@@ -62,3 +63,20 @@ def test_forced_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCLLM_GGUF_KERNEL", "fastest")
     with pytest.raises(ValueError, match="ASYNCLLM_GGUF_KERNEL must be"):
         select_gguf_kernels(model, batch_invariant=False, num_threads=1, dtype=torch.float32)
+
+
+def test_a_verification_step_takes_the_kernels_of_its_decode_step() -> None:
+    """Within kernel_rows.choose_by(n) a layer runs bucket n's kernel on however
+    many rows it gets (a verification of n requests' drafts): each row gets the
+    bits of that kernel, not those of the kernel its row count would pick."""
+    layer = _model().a
+    layer.set_kernels(tuple("int" if rows <= 4 else "tiles" for rows in BUCKETS))
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        plain = layer(x)
+        with kernel_rows.choose_by(4):
+            verified = layer(x)
+        after = layer(x)
+        assert torch.equal(verified, layer.run("int", x))
+        assert torch.equal(plain, layer.run("tiles", x)) and torch.equal(after, plain)
+        assert not torch.equal(verified, plain)  # the two kernels do round differently

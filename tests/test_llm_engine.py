@@ -154,6 +154,29 @@ def test_seeded_sampling_is_reproducible_across_batches(llama_dir):
     assert len(draws) > 1, "unseeded sampling should vary between calls"
 
 
+def test_a_generate_call_reaches_the_core_process_in_one_message(llama_dir):
+    """The core admits a generate call's requests together, so the first steps do
+    not depend on how fast the front end sends (the batch's composition decides
+    float rounding in the default mode: run-to-run reproducibility)."""
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        client = llm.engine.client
+        assert client is not None
+        sent = []
+        send = client.add_requests
+
+        def counting(requests):
+            sent.append(len(requests))
+            send(requests)
+
+        client.add_requests = counting
+        prompts = prompts_for(1000, (6, 10, 14, 8))
+        params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, n=2, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts[0], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [2] * 4
+    assert sent == [8, 2]
+
+
 def test_top_k_one_and_tiny_top_p_equal_greedy(llama_dir):
     llm = LLM(str(llama_dir), multiprocess=False, dtype="float32")
     prompts = prompts_for(1000, (6, 12))

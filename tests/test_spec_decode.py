@@ -270,13 +270,8 @@ def test_preemption_and_the_default_mode(baseline: list[Any], method: dict[str, 
         got = _run(llm)
         stats: Any = llm.engine.call_utility("get_stats")
     assert stats["num_preemptions"] > 0
-    same = total = 0
-    for (a, *_), (b, *_) in zip(got, baseline, strict=True):
-        total += max(len(a), len(b))
-        same += next(
-            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-        )
-    assert same >= 0.9 * total, (same, total)
+    share = _identical_share([a for a, *_ in got], [b for b, *_ in baseline])
+    assert share >= 0.9, share
 
 
 @pytest.mark.parametrize("method", COPYING)
@@ -304,6 +299,72 @@ def test_greedy_smollm2_equals_decoding_without_speculation(
                 stats: Any = llm.engine.call_utility("get_stats")
     assert outs[0] == outs[1]
     assert stats["spec_decode_num_accepted_tokens"] >= 10
+
+
+SMOLLM2_CHATS = [
+    "Copy this sentence, replacing 'cat' with 'dog': the cat sat on the mat by the door.",
+    "Repeat this list in reverse order: apples, pears, plums, cherries, grapes.",
+    "Write a short poem about autumn leaves.",
+    "Why is the sky blue? Explain it to a child.",
+    "Rewrite this code with the variable renamed to total:\n\nx = 0\nfor v in values:\n"
+    "    x += v\nprint(x)",
+    "Give me three ideas for a weekend trip in the mountains.",
+]
+
+
+def _smollm2_batch(model: Path, spec: dict[str, Any] | None) -> tuple[list[list[int]], Any]:
+    """The chats greedy and seeded sampled in one batch of 12: tokens and stats."""
+    chats = [[{"role": "user", "content": c}] for c in SMOLLM2_CHATS] * 2
+    n = len(SMOLLM2_CHATS)
+    params = [SamplingParams(max_tokens=32, temperature=0)] * n + [
+        SamplingParams(max_tokens=32, temperature=1.0, top_p=0.95, seed=i) for i in range(n)
+    ]
+    with LLM(model=str(model), dtype="float32", max_model_len=512, speculative_config=spec) as llm:
+        outs = llm.chat(chats, params, use_tqdm=False)
+        stats = llm.engine.call_utility("get_stats")
+    return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain(smollm2_gguf: Path) -> list[list[int]]:
+    return _smollm2_batch(smollm2_gguf, None)[0]
+
+
+def test_smollm2_batches_are_reproducible(
+    smollm2_gguf: Path, smollm2_plain: list[list[int]]
+) -> None:
+    """The same LLM.chat call gives the same tokens run to run in the default
+    mode: its requests reach the core in one message and are admitted in one step
+    (sent one by one, 7 of 16 seeded streams differed between two runs)."""
+    assert _smollm2_batch(smollm2_gguf, None)[0] == smollm2_plain
+
+
+@pytest.mark.parametrize("method", COPYING)
+def test_smollm2_default_mode_keeps_99_percent_of_tokens(
+    smollm2_gguf: Path, smollm2_plain: list[list[int]], method: dict[str, Any]
+) -> None:
+    """The real model (GGUF) in the default mode, whose kernels change with a step's
+    rows: a verification step takes the kernels of the decode step it stands for,
+    and LLM.chat admits its batch in one step, so greedy and seeded tokens stay
+    those of decoding without speculation (issue 29: 25-68 % were before)."""
+    got, stats = _smollm2_batch(smollm2_gguf, method)
+    assert stats["spec_decode_num_accepted_tokens"] >= 10  # verification steps ran
+    n = len(SMOLLM2_CHATS)
+    for kind, rows in (("greedy", slice(0, n)), ("seeded", slice(n, None))):
+        share = _identical_share(got[rows], smollm2_plain[rows])
+        assert share >= 0.99, (kind, share)
+
+
+def _identical_share(got: list[list[int]], want: list[list[int]]) -> float:
+    """The tokens before each request's first difference, over all tokens (a flip
+    changes the rest of a request: stricter than a share of equal draws)."""
+    same = total = 0
+    for a, b in zip(got, want, strict=True):
+        total += max(len(a), len(b))
+        same += next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+    return same / total
 
 
 def test_metrics_carry_vllm_names() -> None:

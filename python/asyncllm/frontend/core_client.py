@@ -122,6 +122,10 @@ class MPClient:
     def add_requests(self, requests: Sequence[_core.AddRequest]) -> None:
         self._send(_core.encode_add_requests(requests))
 
+    def add_request_groups(self, groups: Sequence[Sequence[_core.AddRequest]]) -> None:
+        """Many prompts' requests in one message: the core admits them together."""
+        self.add_requests([r for g in groups for r in g])
+
     def abort_requests(self, wire_ids: Sequence[int]) -> None:
         if wire_ids and self.dead is None and not self._closing:
             self._send(_core.encode_abort(wire_ids))

@@ -149,6 +149,11 @@ class DPClient:
                 self._owner[r.wire_id] = rank
         self.clients[rank].add_requests(requests)
 
+    def add_request_groups(self, groups: Sequence[Sequence[_core.AddRequest]]) -> None:
+        """Each prompt's requests to its own core, as `add_requests` routes them."""
+        for g in groups:
+            self.add_requests(g)
+
     def _prefix_key(self, request: _core.AddRequest) -> tuple[Any, ...] | None:
         """The routing key of a prompt's first full KV block, if prefix-aware."""
         bs = self._block_size

@@ -95,12 +95,13 @@ class LLM:
         self._check_prompts(prompt_list)
         loras = _per_prompt(lora_request, len(prompt_list))
         ids = []
-        for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
-            if params.output_kind != RequestOutputKind.FINAL_ONLY:
-                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            rid = self.engine.next_request_id()
-            self.engine.add_request(rid, prompt, params, lora)
-            ids.append(rid)
+        with self.engine.submitting_together():
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True):
+                if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                rid = self.engine.next_request_id()
+                self.engine.add_request(rid, prompt, params, lora)
+                ids.append(rid)
         return self._run(ids, use_tqdm)  # type: ignore[return-value]
 
     def embed(
@@ -132,9 +133,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         self._check_prompts(prompt_list)
         states = []
-        for prompt in prompt_list:
-            rid = self.engine.next_request_id()
-            states.append(self.engine.add_embedding(rid, prompt, pooling_params))
+        with self.engine.submitting_together():
+            for prompt in prompt_list:
+                rid = self.engine.next_request_id()
+                states.append(self.engine.add_embedding(rid, prompt, pooling_params))
         outputs = self._run([s.request_id for s in states], use_tqdm)
         for i, state in enumerate(states):
             if state.error is not None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import queue
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from asyncllm import _core
+from asyncllm._core import AddRequest
 from asyncllm.config import EngineArgs
 from asyncllm.engine.core import EngineCore, build_engine_core
 from asyncllm.engine.overlap import OverlapStepper
@@ -69,6 +71,33 @@ class LLMEngine:
         self._parents: dict[str, ParentState | EmbeddingState] = {}
         self._counter = itertools.count()
         self._wire_ids = itertools.count()
+        self._held: list[list[AddRequest]] | None = None  # requests submitting_together holds
+
+    @contextmanager
+    def submitting_together(self) -> Iterator[None]:
+        """Within, requests are held and sent to the core process in one message on
+        exit, so the core admits them in one step. Sent one by one, the first steps
+        take whatever has arrived, and since a kernel's float rounding can depend on
+        a step's rows, the same `LLM.generate` call could give other tokens run to
+        run (16 seeded SmolLM2 streams: 7 of 16 differed)."""
+        if self.client is None:  # an in-process core steps only when asked
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self.client.add_request_groups(held)
+
+    def _submit(self, wire: list[AddRequest]) -> None:
+        """One prompt's requests (its n children) to the core, or held."""
+        assert self.client is not None
+        if self._held is not None:
+            self._held.append(wire)
+        else:
+            self.client.add_requests(wire)
 
     def add_request(
         self,
@@ -98,7 +127,7 @@ class LLMEngine:
         self.output_processor.add_request(parent, core_ids)
         self._parents[request_id] = parent
         if self.client is not None:
-            self.client.add_requests([to_wire(r, self.max_model_len) for r in reqs])
+            self._submit([to_wire(r, self.max_model_len) for r in reqs])
         else:
             assert self.core is not None
             for request in requests:
@@ -121,7 +150,7 @@ class LLMEngine:
         self.output_processor.add_embedding(state)
         self._parents[request_id] = state
         if self.client is not None:
-            self.client.add_requests([to_wire(request, self.max_model_len)])
+            self._submit([to_wire(request, self.max_model_len)])
         else:
             assert self.core is not None
             self.core.add_request(core_request)

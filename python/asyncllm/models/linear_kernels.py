@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm import _core
+from asyncllm.models import kernel_rows
 
 KERNELS = ("torch", "onednn", "rust")
 # Row counts a choice is made for: a step of T rows takes the first bucket >= T
@@ -149,9 +150,9 @@ class KernelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            return self._by_rows[min(x.shape[0], BUCKETS[-1])](x)
+            return self._by_rows[min(kernel_rows.rows or x.shape[0], BUCKETS[-1])](x)
         rows = x.reshape(-1, x.shape[-1])
-        out = self._by_rows[min(rows.shape[0], BUCKETS[-1])](rows)
+        out = self._by_rows[min(kernel_rows.rows or rows.shape[0], BUCKETS[-1])](rows)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

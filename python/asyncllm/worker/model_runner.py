@@ -26,6 +26,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.lora.model import LoRAModel
 from asyncllm.messages import Logprobs
+from asyncllm.models import kernel_rows
 from asyncllm.models.fused_decode import FusedDecode, unsupported
 from asyncllm.models.loader import load_model
 from asyncllm.models.native_ops import use_native_ops
@@ -175,6 +176,13 @@ class ModelRunner:
         step = self._prepare_inputs(so)
         if step is None:
             return ModelRunnerOutput()
+        if so.spec_token_ids:
+            with kernel_rows.choose_by(_decode_rows(so, step)):
+                return self._run(so, step)
+        return self._run(so, step)
+
+    def _run(self, so: SchedulerOutput, step: StepInputs) -> ModelRunnerOutput:
+        """The phases after prepare_inputs."""
         pool = self.pooler.split(step)
         masks = self._request_masks(step)
         hidden = self._forward(step)
@@ -453,3 +461,14 @@ class ModelRunner:
         assert self.spec is not None
         ib = self.input_batch
         return self.spec.propose(ib, rows, req_ids, tokens, num_drafts, num_accepted, room)
+
+
+def _decode_rows(so: SchedulerOutput, step: StepInputs) -> int:
+    """For a step whose every request brings one token and its drafts (a
+    verification standing for decode steps), the decode step's rows; else 0.
+    `kernel_rows` says why."""
+    spec = so.spec_token_ids
+    for rid, n in zip(step.req_ids, step.query_lens.tolist(), strict=True):
+        if n != 1 + len(spec.get(rid, ())):
+            return 0
+    return step.num_reqs

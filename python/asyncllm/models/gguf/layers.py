@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm import _core
+from asyncllm.models import kernel_rows
 from asyncllm.models.gguf.dequant import BLOCK_SIZES, dequantize, row_bytes
 from asyncllm.models.linear_kernels import BUCKETS
 
@@ -97,7 +98,8 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         on_cpu = rows.device.type == "cpu"
-        out = self.run(self.kernels[bucket_index(rows.shape[0])] if on_cpu else "tiles", rows)
+        n = kernel_rows.rows or rows.shape[0]
+        out = self.run(self.kernels[bucket_index(n)] if on_cpu else "tiles", rows)
         return out.view(*x.shape[:-1], self.out_features)
 
     def run(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
