@@ -128,7 +128,11 @@ def main() -> None:
         default="gguf",
         help="the GGUF (Q4_1, float32 activations) or its weights dequantized to bf16",
     )
-    ap.add_argument("--methods", default="ngram,suffix", help="comma-separated methods")
+    ap.add_argument(
+        "--methods",
+        default="ngram,suffix",
+        help="comma-separated methods; NAME-fixed verifies every draft (no adaptive budget)",
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     ap.add_argument("--quick", action="store_true", help="1 round, 16 tokens, 1 stream")
     args = ap.parse_args()
@@ -169,9 +173,10 @@ def main() -> None:
                 for kind in ("greedy", "sampled"):
                     key = (name, n, kind)
                     got = {}
-                    if "suffix" in engines and (r, name, n, kind) != first:
-                        engines["suffix"].shutdown()
-                        engines["suffix"] = start("suffix")
+                    for m in [m for m in engines if m.startswith("suffix")]:
+                        if (r, name, n, kind) != first:
+                            engines[m].shutdown()
+                            engines[m] = start(m)
                     for engine, llm in engines.items():
                         before = spec_stats(llm) if engine != "off" else {}
                         rate, ids = run(llm, prompts, kind, args.tokens, n)
@@ -191,10 +196,15 @@ def main() -> None:
 
 
 def spec_config(method: str, k: int) -> dict[str, Any]:
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 5}  # fmt: skip
-    return {"method": method, "num_speculative_tokens": k}
+    """The configuration of `method`; "NAME-fixed" verifies every draft (without
+    the adaptive draft budget)."""
+    name, _, fixed = method.partition("-")
+    spec: dict[str, Any] = {"method": name, "num_speculative_tokens": k}
+    if name == "ngram":
+        spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if fixed:
+        spec["adaptive_drafts"] = False
+    return spec
 
 
 def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

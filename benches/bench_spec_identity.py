@@ -3,7 +3,7 @@ the share of tokens identical to decoding without speculation, on SmolLM2-135M-I
 from its GGUF (Q4_1, float32 activations).
 
     python benches/bench_spec_identity.py [--tokens 48] [--streams 1,16] [--k 4]
-                                          [--methods ngram,suffix]
+                                          [--methods ngram,suffix] [--quick]
 
 Every prompt of `bench_spec.py` (editing, common answer, open chat) as a chat, at
 each stream count (1: one request at a time; n: n requests at once, the prompts
@@ -65,14 +65,21 @@ def main() -> None:
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--methods", default="ngram,suffix", help="comma-separated methods")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 tokens, 1 stream, n-gram only, no second run without",
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.streams, args.methods = 8, "1", "ngram"
     streams = [int(s) for s in args.streams.split(",")]
     kernel = os.environ.get("ASYNCLLM_GGUF_KERNEL", "auto")
     print(machine_header(), f"torch threads {torch.get_num_threads()}, kernel {kernel}")
     common: dict[str, Any] = {"model": str(fetch()), "dtype": "float32", "max_model_len": 1024}
     cells = [(n, kind) for n in streams for kind in ("greedy", "sampled")]
     got: dict[str, dict[tuple[int, str], list[list[int]]]] = {}
-    methods = ["off again", *args.methods.split(",")]
+    methods = [*(() if args.quick else ("off again",)), *args.methods.split(",")]
     for method in ["off", *methods]:
         spec = None if method.startswith("off") else spec_config(method, args.k)
         with LLM(**common, max_num_seqs=max(streams), speculative_config=spec) as llm:

@@ -21,10 +21,14 @@ from asyncllm.default_model import DEFAULT_MODEL
 from asyncllm.errors import ConfigError
 from asyncllm.sampling_params import StructuredOutputsParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+# Every draft verified (the budget that drops drafts where they do not pay off
+# depends on timing; its own tests are tests/test_draft_budget.py and the one
+# test here that runs with it on)
+FIXED = {"adaptive_drafts": False}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, **FIXED}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, **FIXED}
 # asyncllm-tiny drafting for itself (tests/test_spec_draft_model.py has the rest)
-DRAFT = {"method": "draft_model", "model": DEFAULT_MODEL, "num_speculative_tokens": 3}
+DRAFT = {"method": "draft_model", "model": DEFAULT_MODEL, "num_speculative_tokens": 3, **FIXED}
 COPYING = [pytest.param(NGRAM, id="ngram"), pytest.param(SUFFIX, id="suffix")]
 METHODS = [*COPYING, pytest.param(DRAFT, id="draft_model")]
 
@@ -59,6 +63,7 @@ PROMPTS = [
         ({"num_speculative_tokens": 2, "prompt_lookup_min": True}, "prompt_lookup_min"),
         ({"num_speculative_tokens": 2, "typo": 1}, "unknown key(s) typo"),
         ({"num_speculative_tokens": 2, "model": "x"}, "'model'"),
+        ({"num_speculative_tokens": 2, "adaptive_drafts": "yes"}, "true or false"),
         ("{not json", "not valid JSON"),
         ([1, 2], "must be None, a dict"),
     ],
@@ -90,6 +95,7 @@ def test_cli_flag_takes_json_and_fills_defaults() -> None:
     assert args.speculative_config == {
         "method": "ngram",
         "num_speculative_tokens": 3,
+        "adaptive_drafts": True,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 5,
     }
@@ -103,6 +109,7 @@ def test_suffix_takes_vllm_names_and_defaults() -> None:
     assert args.speculative_config == {
         "method": "suffix",
         "num_speculative_tokens": 24,  # the tree depth, as vLLM
+        "adaptive_drafts": True,
         "suffix_decoding_max_tree_depth": 24,
         "suffix_decoding_max_cached_requests": 10000,
         "suffix_decoding_max_cached_tokens": 65536,
@@ -233,6 +240,15 @@ def _run(llm: LLM) -> list[tuple[list[int], str, str | None, Any]]:
 def baseline() -> Iterator[list[Any]]:
     with LLM(num_threads=1, batch_invariant=True, max_num_seqs=64) as llm:
         yield _run(llm)
+
+
+def test_the_adaptive_draft_budget_keeps_the_outputs(baseline: list[Any]) -> None:
+    """The default budget (drafts only where they pay off, by measured step
+    times) changes which steps verify how many drafts, never the tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with LLM(num_threads=1, batch_invariant=True, max_num_seqs=64, speculative_config=spec) as llm:
+        got = _run(llm)
+    assert got == baseline
 
 
 @pytest.mark.parametrize("method", METHODS)

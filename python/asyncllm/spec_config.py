@@ -16,6 +16,10 @@
   file; `check_draft_vocab` compares the vocabularies), run by the target's
   runner with its own KV cache (worker/draft_model.py).
 
+Ours, for every method: `"adaptive_drafts": true` (the default) lets each step
+verify only as many drafts as pay for themselves on this machine now
+(worker/draft_budget.py); `false` always proposes up to k.
+
 vLLM's other methods are named so that asking for one fails with a clear error,
 not an unknown key.
 """
@@ -23,7 +27,7 @@ not an unknown key.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64  # rust/spec/ngram.rs MAX_N
 MAX_TREE_DEPTH = 64  # rust/spec/suffix.rs MAX_DEPTH
-_COMMON = ("method", "num_speculative_tokens")
+_COMMON = ("method", "num_speculative_tokens", "adaptive_drafts")
 _KEYS = {
     "ngram": _COMMON + ("prompt_lookup_min", "prompt_lookup_max"),
     "suffix": _COMMON
@@ -85,6 +89,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None  # draft_model: the draft's folder (a GGUF prepared)
+    adaptive_drafts: bool = True
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
@@ -109,6 +114,13 @@ class SpeculativeConfig:
         for key in spec:
             if key not in _KEYS[method]:
                 raise _fail(key, spec[key], f"absent with method {method!r}")
+        adaptive = spec.get("adaptive_drafts", True)
+        if not isinstance(adaptive, bool):
+            raise _fail("adaptive_drafts", adaptive, "true or false")
+        return replace(cls._of_method(method, spec), adaptive_drafts=adaptive)
+
+    @classmethod
+    def _of_method(cls, method: str, spec: dict[str, Any]) -> SpeculativeConfig:
         if method == "suffix":
             return cls._suffix(spec)
         if method == "draft_model":

@@ -16,6 +16,7 @@ forward, prompt logprobs, logits, sample, outputs. The traced ones wear
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -176,10 +177,13 @@ class ModelRunner:
         step = self._prepare_inputs(so)
         if step is None:
             return ModelRunnerOutput()
-        if so.spec_token_ids:
-            with kernel_rows.choose_by(_decode_rows(so, step)):
-                return self._run(so, step)
-        return self._run(so, step)
+        if self.spec is None:
+            return self._run(so, step)
+        start = time.perf_counter()
+        with kernel_rows.choose_by(_decode_rows(so, step) if so.spec_token_ids else 0):
+            out = self._run(so, step)
+        self.spec.observe_step(step.num_tokens, time.perf_counter() - start)
+        return out
 
     def _run(self, so: SchedulerOutput, step: StepInputs) -> ModelRunnerOutput:
         """The phases after prepare_inputs."""

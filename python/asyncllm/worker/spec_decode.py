@@ -36,6 +36,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import NewRequestData
 from asyncllm.messages import Logprobs
 from asyncllm.spec_config import SpeculativeConfig
+from asyncllm.worker.draft_budget import DraftBudget
 from asyncllm.worker.draft_model import DraftModel
 from asyncllm.worker.input_batch import InputBatch
 from asyncllm.worker.sampler_output import SamplerOutput
@@ -93,6 +94,7 @@ class SpecDecoder:
         else:
             self.proposer = make_proposer(spec, max_num_seqs)
         self.eligible = np.zeros(max_num_seqs, dtype=bool)
+        self.budget = DraftBudget(self.k) if spec.adaptive_drafts else None
         self._no_tokens = np.zeros(0, dtype=np.int32)
 
     def add(self, ib: InputBatch, row: int, new: NewRequestData) -> None:
@@ -153,7 +155,14 @@ class SpecDecoder:
                 a += 1
             num_accepted[i] = a
             tokens.append(drawn_list[s : s + a + 1])
+        if self.budget is not None:
+            self.budget.observe_verified(exp.num_drafts, num_accepted)
         return num_accepted, tokens
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A speculative engine's step of `rows` tokens took `seconds`."""
+        if self.budget is not None:
+            self.budget.observe_step(rows, seconds)
 
     def propose(
         self,
@@ -172,7 +181,8 @@ class SpecDecoder:
         if not keep.any():
             return {}
         idx = np.flatnonzero(keep)
-        max_drafts = np.clip(room[idx], 0, self.k).astype(np.int64)
+        cap = self.k if self.budget is None else self.budget.cap(len(rows), len(idx))
+        max_drafts = np.clip(room[idx], 0, cap).astype(np.int64)
         if self.draft is not None:
             proposed = self.draft.propose(ib, rows[idx], max_drafts)
             return {req_ids[j]: d for j, d in zip(idx.tolist(), proposed, strict=True) if d}
