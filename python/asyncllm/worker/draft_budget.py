@@ -10,7 +10,8 @@ two estimates, both updated every step, and picks the draft cap that maximises
 expected tokens per second:
 
 - the step's cost in seconds as `t0 + t1 * rows`, a least-squares fit over recent
-  steps (exponentially forgotten, so it follows load and batch changes);
+  steps of decodes and drafts (exponentially forgotten, so it follows load and
+  batch changes; prompt chunks run other kernels at another cost per row);
 - each draft position's acceptance given the one before it was accepted.
 
 Until the fit has seen two row counts it allows every draft (optimistic: the

@@ -180,9 +180,11 @@ class ModelRunner:
         if self.spec is None:
             return self._run(so, step)
         start = time.perf_counter()
-        with kernel_rows.choose_by(_decode_rows(so, step) if so.spec_token_ids else 0):
+        decode_rows = _decode_rows(so, step)
+        with kernel_rows.choose_by(decode_rows):
             out = self._run(so, step)
-        self.spec.observe_step(step.num_tokens, time.perf_counter() - start)
+        if decode_rows:  # what verification costs: steps of decodes and drafts only
+            self.spec.observe_step(step.num_tokens, time.perf_counter() - start)
         return out
 
     def _run(self, so: SchedulerOutput, step: StepInputs) -> ModelRunnerOutput:
