@@ -16,6 +16,7 @@ from asyncllm.models.linear_kernels import as_buffer
 
 SLOTS, K, WIDTH, N = 4, 40, 24, 52
 PARTS = [20, 16, 16]  # three fused projections' outputs: rank blocks of 8
+FULL = [8] * SLOTS  # every slot's rank: the whole block
 
 
 def _operands(dtype: torch.dtype, tokens: int, seed: int = 0):
@@ -79,7 +80,7 @@ def test_rust_and_torch_equal_the_reference(case: str, dtype: torch.dtype, threa
     ref = _reference(x, y, a, b, slots)
     tol = 1e-4 if dtype == torch.float32 else 0.05
     a_buf, b_buf = as_buffer(a.view(-1, WIDTH)), _nan_off_blocks(b)
-    rust = lora_add_rust(y.clone(), x, a_buf, b_buf, slots, PARTS, threads)
+    rust = lora_add_rust(y.clone(), x, a_buf, b_buf, slots, PARTS, FULL, threads)
     torch.testing.assert_close(rust.double(), ref, rtol=tol, atol=tol)
     order, segs = _segments(slots)
     single = int(slots[0]) if (slots == slots[0]).all() else None
@@ -91,9 +92,9 @@ def test_a_token_does_not_depend_on_its_neighbours() -> None:
     slots = CASES["mixed"]
     x, y, a, b = _operands(torch.float32, len(slots))
     a_buf, b_buf = as_buffer(a.view(-1, WIDTH)), as_buffer(b.view(-1, N))
-    batch = lora_add_rust(y.clone(), x, a_buf, b_buf, slots, PARTS, 2)
+    batch = lora_add_rust(y.clone(), x, a_buf, b_buf, slots, PARTS, FULL, 2)
     for t in (0, 4, 9):
-        one = (y[t : t + 1].clone(), x[t : t + 1], a_buf, b_buf, slots[t : t + 1], PARTS, 1)
+        one = (y[t : t + 1].clone(), x[t : t + 1], a_buf, b_buf, slots[t : t + 1], PARTS, FULL, 1)
         alone = lora_add_rust(*one)
         assert torch.equal(alone[0], batch[t])
 
@@ -104,11 +105,14 @@ def test_rust_kernel_checks_before_writing() -> None:
     before = y.clone()
     yb, xb = as_buffer(y), as_buffer(x)
     with pytest.raises(ValueError, match="token 1 has slot 4, not in -1..4"):
-        _core._lora_add(yb, xb, a_buf, b_buf, np.array([0, 4, 1]), PARTS, 1)
+        _core._lora_add(yb, xb, a_buf, b_buf, np.array([0, 4, 1]), PARTS, FULL, 1)
     with pytest.raises(ValueError, match="one slot per token"):
-        _core._lora_add(yb, xb, a_buf, b_buf, np.array([0, 1]), PARTS, 1)
+        _core._lora_add(yb, xb, a_buf, b_buf, np.array([0, 1]), PARTS, FULL, 1)
     with pytest.raises(ValueError, match=r"parts \[20, 16\] must split n=52"):
-        _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), [20, 16], 1)
+        _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), [20, 16], FULL, 1)
+    with pytest.raises(ValueError, match="a rank of at most 8"):
+        _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), PARTS, [9] * SLOTS, 1)
     with pytest.raises(ValueError, match="share a dtype"):
-        _core._lora_add(yb, as_buffer(x.bfloat16()), a_buf, b_buf, np.zeros(3, np.int64), PARTS, 1)
+        xh = as_buffer(x.bfloat16())
+        _core._lora_add(yb, xh, a_buf, b_buf, np.zeros(3, np.int64), PARTS, FULL, 1)
     assert torch.equal(y, before)

@@ -37,14 +37,25 @@ pub struct LoraShape {
     pub slots: usize,
 }
 
+/// How a layer's slots are laid out: `parts`, the output sizes of the fused
+/// projections (`[n]`: one), and `ranks`, the rank each slot's adapter uses in
+/// this layer (at most the rank block, `width / parts.len()`; 0: the slot adds
+/// nothing here). Columns of a rank block beyond a slot's rank are zero padding
+/// and are never read.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraLayout<'a> {
+    pub parts: &'a [usize],
+    pub ranks: &'a [usize],
+}
+
 /// `y[t] += (x[t] · a[s]) · b[s]` for each token `t` whose slot `s = token_slot[t]`
 /// is not -1, on `num_threads` threads of the kernel team, `b` read block-diagonal
-/// by `parts` (the output sizes of the fused projections; `[n]`: one). Checks
-/// every size and slot first; on error `y` is untouched.
+/// by `layout.parts`, each slot's A and B only up to its rank. Checks every size
+/// and slot first; on error `y` is untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn lora_add<E: Elem>(
     shape: LoraShape,
-    parts: &[usize],
+    layout: LoraLayout<'_>,
     y: &mut [E],
     x: &[E],
     a: &[E],
@@ -53,7 +64,8 @@ pub fn lora_add<E: Elem>(
     num_threads: usize,
 ) -> Result<(), KernelError> {
     check(shape, y, x, a, b, token_slot)?;
-    check_parts(shape, parts)?;
+    check_layout(shape, layout)?;
+    let parts = layout.parts;
     let isa = LinearIsa::detect()?;
     let LoraShape { k, width, n, .. } = shape;
     // Column bounds of each part, and of the rank block of each row of `b`.
@@ -70,6 +82,9 @@ pub fn lora_add<E: Elem>(
     let mut items: Vec<Item<'_, E>> = Vec::new();
     for group in order.chunk_by(|&p, &q| token_slot[p] == token_slot[q]) {
         let s = token_slot[group[0]] as usize;
+        if layout.ranks[s] == 0 {
+            continue; // the slot's adapter leaves this layer alone
+        }
         for chunk in group.chunks(ITEM_ROWS) {
             let mut y_rows = Vec::with_capacity(chunk.len());
             let mut x_rows = Vec::with_capacity(chunk.len());
@@ -86,6 +101,7 @@ pub fn lora_add<E: Elem>(
                 y: y_rows,
                 width,
                 rank,
+                used: layout.ranks[s],
                 bounds: &bounds,
             });
         }
@@ -135,7 +151,8 @@ fn check<E: Elem>(
     Ok(())
 }
 
-fn check_parts(s: LoraShape, parts: &[usize]) -> Result<(), KernelError> {
+fn check_layout(s: LoraShape, layout: LoraLayout<'_>) -> Result<(), KernelError> {
+    let parts = layout.parts;
     if parts.is_empty()
         || !s.width.is_multiple_of(parts.len())
         || parts.iter().sum::<usize>() != s.n
@@ -144,6 +161,13 @@ fn check_parts(s: LoraShape, parts: &[usize]) -> Result<(), KernelError> {
             "lora_add: parts {parts:?} must split n={} outputs, and width={} into equal \
              rank blocks",
             s.n, s.width
+        )));
+    }
+    let rank = s.width / parts.len();
+    if layout.ranks.len() != s.slots || layout.ranks.iter().any(|&r| r > rank) {
+        return Err(KernelError::Shape(format!(
+            "lora_add: ranks {:?} must give each of {} slots a rank of at most {rank}",
+            layout.ranks, s.slots
         )));
     }
     Ok(())
@@ -159,6 +183,8 @@ struct Item<'a, E> {
     width: usize,
     /// Rows of `b` per part, and the parts' column bounds (`parts.len() + 1`).
     rank: usize,
+    /// The slot's rank: the leading columns of each rank block that are read.
+    used: usize,
     bounds: &'a [usize],
 }
 
@@ -167,18 +193,30 @@ impl<E: Elem> VectorBody for Item<'_, E> {
     fn run<S: Simd>(self) {
         let (width, rows) = (self.width, self.x.len());
         let n = self.b.len() / width.max(1);
+        let (rank, used) = (self.rank, self.used);
+        // the columns read: the whole width, or the first `used` of each rank block
+        let blocks: Vec<(usize, usize)> = if used == rank {
+            vec![(0, width)]
+        } else {
+            (0..width / rank)
+                .map(|p| (p * rank, p * rank + used))
+                .collect()
+        };
         // shrink: h[r] = x[r] · A, one row of A per input feature
         let mut h = vec![0f32; rows * width];
         for (i, a_row) in self.a.chunks_exact(width).enumerate() {
             for (r, x) in self.x.iter().enumerate() {
-                axpy::<S, E>(&mut h[r * width..(r + 1) * width], x[i].to_f32(), a_row);
+                let h_row = &mut h[r * width..(r + 1) * width];
+                for &(lo, hi) in &blocks {
+                    axpy::<S, E>(&mut h_row[lo..hi], x[i].to_f32(), &a_row[lo..hi]);
+                }
             }
         }
         // expand: d[r] = h[r] · B, each row of B over its part's columns only,
         // skipping the zero-padded ranks and the parts an adapter leaves alone
         let mut d = vec![0f32; rows * n];
         for (j, b_row) in self.b.chunks_exact(n).enumerate() {
-            if (0..rows).all(|r| h[r * width + j] == 0.0) {
+            if j % rank >= used || (0..rows).all(|r| h[r * width + j] == 0.0) {
                 continue;
             }
             let (lo, hi) = (self.bounds[j / self.rank], self.bounds[j / self.rank + 1]);
@@ -262,9 +300,13 @@ mod tests {
         }
         let y0 = values(shape.tokens * shape.n, 4);
         let slots = [2, -1, 0, 2, 1, 1, -1, 0, 2, 2, 0];
+        let full = LoraLayout {
+            parts: &PARTS,
+            ranks: &[4, 4, 4],
+        };
         for threads in [1, 3] {
             let mut y = y0.clone();
-            lora_add(shape, &PARTS, &mut y, &x, &a, &b, &slots, threads).unwrap();
+            lora_add(shape, full, &mut y, &x, &a, &b, &slots, threads).unwrap();
             for (t, &s) in slots.iter().enumerate() {
                 for o in 0..shape.n {
                     let mut want = y0[t * shape.n + o] as f64;
@@ -291,6 +333,66 @@ mod tests {
     }
 
     #[test]
+    fn padded_ranks_are_never_read() {
+        // slots of rank 2, 4 and 0 in blocks of 4: every A and B value past a
+        // slot's rank is NaN, so reading one would show in the output
+        let shape = LoraShape {
+            tokens: 6,
+            k: 9,
+            width: 12,
+            n: 21,
+            slots: 3,
+        };
+        let ranks = [2usize, 4, 0];
+        let x = values(shape.tokens * shape.k, 5);
+        let mut a = values(shape.slots * shape.k * shape.width, 6);
+        for (i, v) in a.iter_mut().enumerate() {
+            let (s, j) = (i / (shape.k * shape.width), i % shape.width);
+            if j % 4 >= ranks[s] {
+                *v = f32::NAN;
+            }
+        }
+        let mut b = values(shape.slots * shape.width * shape.n, 7);
+        for (i, v) in b.iter_mut().enumerate() {
+            let (s, j) = (i / (shape.width * shape.n), i / shape.n % shape.width);
+            if j % 4 >= ranks[s] || !in_block(j, i % shape.n) {
+                *v = f32::NAN;
+            }
+        }
+        let y0 = values(shape.tokens * shape.n, 8);
+        let slots = [0, 1, 2, 0, -1, 1];
+        let mut y = y0.clone();
+        let layout = LoraLayout {
+            parts: &PARTS,
+            ranks: &ranks,
+        };
+        lora_add(shape, layout, &mut y, &x, &a, &b, &slots, 2).unwrap();
+        for (t, &s) in slots.iter().enumerate() {
+            for o in 0..shape.n {
+                let mut want = y0[t * shape.n + o] as f64;
+                if s >= 0 {
+                    let s = s as usize;
+                    let cols = (0..shape.width).filter(|&j| j % 4 < ranks[s] && in_block(j, o));
+                    for j in cols {
+                        let h: f64 = (0..shape.k)
+                            .map(|i| {
+                                x[t * shape.k + i] as f64
+                                    * a[(s * shape.k + i) * shape.width + j] as f64
+                            })
+                            .sum();
+                        want += h * b[(s * shape.width + j) * shape.n + o] as f64;
+                    }
+                }
+                let got = y[t * shape.n + o] as f64;
+                assert!(
+                    (got - want).abs() < 1e-4,
+                    "token {t} out {o}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn a_bad_slot_is_refused_before_writing() {
         let shape = LoraShape {
             tokens: 2,
@@ -301,18 +403,25 @@ mod tests {
         };
         let mut y = vec![1.0f32; 8];
         let (x, a, b) = (vec![1.0f32; 6], vec![1.0f32; 6], vec![1.0f32; 8]);
-        let err = lora_add(shape, &[4], &mut y, &x, &a, &b, &[0, 1], 1).unwrap_err();
+        let one = |parts| LoraLayout { parts, ranks: &[2] };
+        let err = lora_add(shape, one(&[4]), &mut y, &x, &a, &b, &[0, 1], 1).unwrap_err();
         assert!(
             err.to_string().contains("token 1 has slot 1, not in -1..1"),
             "{err}"
         );
-        let err = lora_add(shape, &[1, 2], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
+        let err = lora_add(shape, one(&[1, 2]), &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
         assert!(
             err.to_string().contains("parts [1, 2] must split n=4"),
             "{err}"
         );
-        let err = lora_add(shape, &[2, 1, 1], &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
+        let err = lora_add(shape, one(&[2, 1, 1]), &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
         assert!(err.to_string().contains("equal rank blocks"), "{err}");
+        let high = LoraLayout {
+            parts: &[4],
+            ranks: &[3],
+        };
+        let err = lora_add(shape, high, &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
+        assert!(err.to_string().contains("a rank of at most 2"), "{err}");
         assert!(y.iter().all(|&v| v == 1.0));
     }
 }

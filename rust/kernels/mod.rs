@@ -44,7 +44,7 @@ pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_int::{gguf_int_isa, gguf_linear_int};
 pub use gguf_linear::gguf_linear;
 pub use linear::{linear, linear_isa, Elem, LinearShape};
-pub use lora::{lora_add, LoraShape};
+pub use lora::{lora_add, LoraLayout, LoraShape};
 pub use paged_attention::{
     kernel_isa, paged_decode_attention, paged_decode_attention_windowed, BlockIndex, DecodeShape,
     KvCache,

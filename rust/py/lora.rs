@@ -9,13 +9,14 @@ use pyo3::prelude::*;
 use super::kernels::{buffer, byte_range, data_ptr};
 use super::linear::Operand;
 use crate::error::Error;
-use crate::kernels::{self, Elem, LoraShape};
+use crate::kernels::{self, Elem, LoraLayout, LoraShape};
 
 /// `y[t] += (x[t] · A[s]) · B[s]` for each token `t` whose `token_slot[t] = s` is
 /// not -1. `y` [t, n], `x` [t, k], `a` [slots * k, width] (each slot's [k, width]
 /// stacked), `b` [slots * width, n], `token_slot` int64 [t]; y, x, a and b share
 /// a dtype; `parts`: the output sizes of the fused projections (B block-diagonal,
-/// read only within its blocks). Raises `ValueError`, writing nothing, on any
+/// read only within its blocks); `ranks`: each slot's rank in this layer (the
+/// padded columns beyond it are never read). Raises `ValueError`, writing nothing, on any
 /// dtype, shape, part or slot problem.
 ///
 /// Private (`_lora_add`): its one caller, `asyncllm.lora.kernel`, keeps the
@@ -23,7 +24,7 @@ use crate::kernels::{self, Elem, LoraShape};
 /// just allocated and shared with no other thread, and nothing writes x, a or b
 /// while the model runs.
 #[pyfunction(name = "_lora_add")]
-#[pyo3(signature = (y, x, a, b, token_slot, parts, num_threads))]
+#[pyo3(signature = (y, x, a, b, token_slot, parts, ranks, num_threads))]
 #[allow(clippy::too_many_arguments)]
 fn lora_add(
     py: Python<'_>,
@@ -33,6 +34,7 @@ fn lora_add(
     b: &Bound<'_, PyAny>,
     token_slot: &Bound<'_, PyAny>,
     parts: Vec<usize>,
+    ranks: Vec<usize>,
     num_threads: usize,
 ) -> PyResult<()> {
     let (y, x, a, b) = (
@@ -57,12 +59,16 @@ fn lora_add(
         n: ys[1],
         slots: as_[0] / k,
     };
+    let layout = LoraLayout {
+        parts: &parts,
+        ranks: &ranks,
+    };
     match (&y, &x, &a, &b) {
         (Operand::F32(y), Operand::F32(x), Operand::F32(a), Operand::F32(b)) => {
-            call::<f32, f32>(py, shape, &parts, y, x, a, b, &slots, num_threads)
+            call::<f32, f32>(py, shape, layout, y, x, a, b, &slots, num_threads)
         }
         (Operand::Bf16(y), Operand::Bf16(x), Operand::Bf16(a), Operand::Bf16(b)) => {
-            call::<u16, i16>(py, shape, &parts, y, x, a, b, &slots, num_threads)
+            call::<u16, i16>(py, shape, layout, y, x, a, b, &slots, num_threads)
         }
         _ => Err(PyValueError::new_err(
             "y, x, a and b must share a dtype: all float32, or all bfloat16 (int16 bits)",
@@ -76,7 +82,7 @@ fn lora_add(
 fn call<E: Elem, B: Element>(
     py: Python<'_>,
     shape: LoraShape,
-    parts: &[usize],
+    layout: LoraLayout<'_>,
     y: &PyBuffer<B>,
     x: &PyBuffer<B>,
     a: &PyBuffer<B>,
@@ -112,7 +118,7 @@ fn call<E: Elem, B: Element>(
     // (checked; `token_slot` is a copy), and the sole caller passes the base
     // layer's fresh output, shared with no other thread.
     let y = unsafe { std::slice::from_raw_parts_mut(data_ptr(y).cast::<E>(), y.item_count()) };
-    py.detach(|| kernels::lora_add(shape, parts, y, x, a, b, token_slot, num_threads))
+    py.detach(|| kernels::lora_add(shape, layout, y, x, a, b, token_slot, num_threads))
         .map_err(|e| Error::from(e).into())
 }
 

@@ -14,6 +14,8 @@ set once per step (`lora.model.LoRAModel.begin_step`): the layers only read it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import nn
@@ -22,7 +24,15 @@ from asyncllm.lora.kernel import lora_add_rust, lora_add_torch
 from asyncllm.models.linear_kernels import as_buffer
 
 Pair = tuple[torch.Tensor, torch.Tensor]
-SlotContents = tuple[torch.Tensor, torch.Tensor]  # one slot's (a, b) of one layer
+
+
+class SlotContents(NamedTuple):
+    """One slot's (a, b) of one layer, and the largest rank of its projections
+    (the columns of each rank block beyond it are zero: the kernel skips them)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    rank: int
 
 
 def lay_out_slot(
@@ -43,15 +53,16 @@ def lay_out_slot(
     width = len(slices) * max_rank
     a = np.zeros((in_features, width), dtype=np.float32)
     b = np.zeros((width, sum(slices)), dtype=np.float32)
-    offset = 0
+    offset = rank = 0
     for k, (size, pair) in enumerate(zip(slices, pairs, strict=True)):
         if pair is not None:
             la, lb = pair[0].numpy(), pair[1].numpy()
             rows = slice(k * max_rank, k * max_rank + la.shape[0])
             a[:, rows] = la.T
             np.multiply(lb.T, np.float32(scale), out=b[rows, offset : offset + size])
+            rank = max(rank, la.shape[0])
         offset += size
-    return torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
+    return SlotContents(torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype), rank)
 
 
 class LoRAStep:
@@ -110,6 +121,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device))
         self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.step = step
+        # each slot's rank (0: empty), so the rust kernel skips the padded columns
+        self._ranks = [0] * num_slots
         # the slots as the rust kernel reads them: views made once (the slots are
         # written in place, never reallocated)
         self._a_buf = as_buffer(self.a.view(-1, width)) if step.kernel == "rust" else None
@@ -122,14 +135,15 @@ class LoRALinear(nn.Module):
         `lay_out_slot` off it, so this is two plain copies; None (the adapter
         leaves this layer alone) zeroes the slot."""
         a, b = self.a[slot], self.b[slot]
+        self._ranks[slot] = 0 if contents is None else contents.rank
         if a.device.type != "cpu":
-            for dst, src in zip((a, b), contents or (None, None), strict=True):
+            for dst, src in zip((a, b), contents[:2] if contents else (None, None), strict=True):
                 dst.zero_() if src is None else dst.copy_(src)
             return
         # numpy on the CPU: one thread. torch's copy_ splits a slot over the OpenMP
         # team, whose barrier waits for a descheduled thread on busy cores (12-16 ms
         # instead of 1 ms for 6 MB on the 2-core VM under load: benches/RESULTS.md).
-        for dst, src in zip((a, b), contents or (None, None), strict=True):
+        for dst, src in zip((a, b), contents[:2] if contents else (None, None), strict=True):
             if src is None:
                 as_buffer(dst).fill(0)
             else:
@@ -142,7 +156,14 @@ class LoRALinear(nn.Module):
             return y
         if self._a_buf is not None and self._b_buf is not None:
             return lora_add_rust(
-                y, x, self._a_buf, self._b_buf, step.token_slot, self._parts, step.num_threads
+                y,
+                x,
+                self._a_buf,
+                self._b_buf,
+                step.token_slot,
+                self._parts,
+                self._ranks,
+                step.num_threads,
             )
         return lora_add_torch(y, x, self.a, self.b, step.single, step.order, step.segments)
 
