@@ -12,6 +12,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -87,3 +89,14 @@ def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[i
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+@contextmanager
+def serving(log_dir: Path, model: Path, served_name: str, *flags: str) -> Iterator[Server]:
+    """`asyncllm serve` of `model` in float32 under `served_name` with `flags`, its
+    log in `log_dir`; stopped on exit, which must be clean (the log's tail says why
+    not)."""
+    log = log_dir / "server.log"
+    s = Server(log, str(model), "--dtype", "float32", "--served-model-name", served_name, *flags)
+    yield s
+    assert s.stop() == 0, log.read_text()[-3000:]

@@ -25,7 +25,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.frontend.tokenizer import Tokenizer
 from conftest import tokenizer_dir
 from server_process import Server, post
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_qwen
 
 transformers = pytest.importorskip("transformers")
 
@@ -283,13 +283,7 @@ def saved_model(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Qwen2 with the files the qwen2.5 tokenizer's
     `save_pretrained` wrote beside it (tied embeddings and hidden 32 keep its 151k
     vocabulary small)."""
-    path = make_tiny_model(
-        tmp_path_factory.mktemp("qwen2-saved"),
-        arch="qwen2",
-        tokenizer="qwen2.5",
-        hidden_size=32,
-        tie_word_embeddings=True,
-    )
+    path = make_tiny_qwen(tmp_path_factory.mktemp("qwen2-saved"))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (path / name).unlink(missing_ok=True)
     for file in saved.iterdir():

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from tool_cases import TOOLS
 
-from server_process import Server, post
-from tiny_models import make_tiny_model
+from server_process import post, serving
+from tiny_models import make_tiny_qwen
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -37,20 +37,10 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model(
-        tmp_path_factory.mktemp("qwen2-messages"),
-        arch="qwen2",
-        tokenizer="qwen2.5",
-        hidden_size=32,
-        tie_word_embeddings=True,
-    )
-    log = tmp_path_factory.mktemp("messages-server") / "server.log"
-    s = Server(
-        log,
-        str(model),
-        "--dtype",
-        "float32",
-        "--served-model-name",
+    model = make_tiny_qwen(tmp_path_factory.mktemp("qwen2-messages"))
+    with serving(
+        tmp_path_factory.mktemp("messages-server"),
+        model,
         MODEL,
         "--api-key",
         KEY,
@@ -59,9 +49,8 @@ def server(tmp_path_factory):
         # the shapes are forced on the whole output, the reasoning included
         "--structured-outputs-config",
         '{"enable_in_reasoning": true}',
-    )
-    yield s
-    assert s.stop() == 0, log.read_text()[-3000:]
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

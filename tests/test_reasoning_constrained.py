@@ -19,8 +19,8 @@ import pytest
 
 from asyncllm.errors import ConfigError
 from asyncllm.server.config import parse_structured_outputs_config
-from server_process import Server
-from tiny_models import make_tiny_model
+from server_process import serving
+from tiny_models import make_tiny_qwen
 
 openai = pytest.importorskip("openai")
 
@@ -58,28 +58,11 @@ def qwen3_tokenizer(model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model(
-        tmp_path_factory.mktemp("qwen3-reasoning"),
-        arch="qwen2",
-        tokenizer="qwen2.5",
-        hidden_size=32,
-        tie_word_embeddings=True,
-        vocab_size=THINK_CLOSE + 1,
-    )
+    model = make_tiny_qwen(tmp_path_factory.mktemp("qwen3-reasoning"), vocab_size=THINK_CLOSE + 1)
     qwen3_tokenizer(model)
-    log = tmp_path_factory.mktemp("reasoning-server") / "server.log"
-    s = Server(
-        log,
-        str(model),
-        "--dtype",
-        "float32",
-        "--served-model-name",
-        MODEL,
-        "--reasoning-parser",
-        "deepseek_r1",
-    )
-    yield s
-    assert s.stop() == 0, log.read_text()[-3000:]
+    log_dir = tmp_path_factory.mktemp("reasoning-server")
+    with serving(log_dir, model, MODEL, "--reasoning-parser", "deepseek_r1") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

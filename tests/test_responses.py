@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from tool_cases import TOOLS
 
-from server_process import Server, post
-from tiny_models import make_tiny_model
+from server_process import post, serving
+from tiny_models import make_tiny_qwen
 
 openai = pytest.importorskip("openai")
 
@@ -29,20 +29,10 @@ FN_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model(
-        tmp_path_factory.mktemp("qwen2-responses"),
-        arch="qwen2",
-        tokenizer="qwen2.5",
-        hidden_size=32,
-        tie_word_embeddings=True,
-    )
-    log = tmp_path_factory.mktemp("responses-server") / "server.log"
-    s = Server(
-        log,
-        str(model),
-        "--dtype",
-        "float32",
-        "--served-model-name",
+    model = make_tiny_qwen(tmp_path_factory.mktemp("qwen2-responses"))
+    with serving(
+        tmp_path_factory.mktemp("responses-server"),
+        model,
         MODEL,
         "--reasoning-parser",
         "qwen3",
@@ -52,9 +42,8 @@ def server(tmp_path_factory):
         "--enable-store",
         "--max-stored-responses",
         "4",
-    )
-    yield s
-    assert s.stop() == 0, log.read_text()[-3000:]
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from asyncllm.chat_template import ChatTemplate, prepare_messages, resolve_templ
 from asyncllm.errors import InvalidRequestError
 from asyncllm.frontend.tokenizer import Tokenizer
 from asyncllm.server.tool_parsers.hermes import HermesToolParser
-from server_process import Server, post
-from tiny_models import make_tiny_model
+from server_process import post, serving
+from tiny_models import make_tiny_qwen
 
 openai = pytest.importorskip("openai")
 
@@ -58,30 +58,14 @@ HISTORY = [
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Qwen2 with the qwen2.5 tokenizer and its chat template."""
-    return make_tiny_model(
-        tmp_path_factory.mktemp("qwen2-tools"),
-        arch="qwen2",
-        tokenizer="qwen2.5",
-        hidden_size=32,
-        tie_word_embeddings=True,
-    )
+    return make_tiny_qwen(tmp_path_factory.mktemp("qwen2-tools"))
 
 
 @pytest.fixture(scope="module")
 def server(qwen_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tools-server") / "server.log"
-    s = Server(
-        log,
-        str(qwen_dir),
-        "--dtype",
-        "float32",
-        "--served-model-name",
-        MODEL,
-        "--tool-call-parser",
-        "hermes",
-    )
-    yield s
-    assert s.stop() == 0, log.read_text()[-3000:]
+    log_dir = tmp_path_factory.mktemp("tools-server")
+    with serving(log_dir, qwen_dir, MODEL, "--tool-call-parser", "hermes") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

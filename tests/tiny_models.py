@@ -80,6 +80,14 @@ def make_tiny_model(
     return path
 
 
+def make_tiny_qwen(model_dir: str | Path, **config_overrides: Any) -> Path:
+    """A tiny random-weight Qwen2 with the qwen2.5 tokenizer and chat template, as
+    the API tests serve it (hidden 32 and tied embeddings keep its 151k vocabulary
+    small)."""
+    kw: dict[str, Any] = {"hidden_size": 32, "tie_word_embeddings": True, **config_overrides}
+    return make_tiny_model(model_dir, arch="qwen2", tokenizer="qwen2.5", **kw)
+
+
 def _special_token_ids(tok: Tokenizer, tok_dir: Path) -> dict[str, int]:
     """bos/eos/pad ids named in tokenizer_config.json, so generation stops where the
     real model would."""
