@@ -56,17 +56,19 @@ class DraftBudget:
 
     def observe_verified(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """Each request's drafts and how many of them were accepted (a prefix)."""
-        drafted = num_drafts[num_drafts > 0]
-        if drafted.size == 0:
+        drafted = num_drafts > 0
+        count = int(np.count_nonzero(drafted))
+        if count == 0:
             return
-        accepted = num_accepted[num_drafts > 0]
-        pos = np.arange(self.k)
-        # position j was reached if every draft before it was accepted, and exists
-        reached = ((pos[None, :] <= accepted[:, None]) & (pos[None, :] < drafted[:, None])).sum(0)
-        took = (pos[None, :] < accepted[:, None]).sum(0)
-        decay = (1.0 - FORGET) ** drafted.size
-        self._reached = self._reached * decay + reached
-        self._accepted = self._accepted * decay + took
+        d, a = num_drafts[drafted], num_accepted[drafted]
+        # position j was reached by the requests with min(a + 1, d) > j, and
+        # accepted by those with a > j: counts of each, summed from the top
+        k = self.k
+        reached = np.bincount(np.minimum(a + 1, d), minlength=k + 1)[::-1].cumsum()[::-1]
+        took = np.bincount(a, minlength=k + 1)[::-1].cumsum()[::-1]
+        decay = (1.0 - FORGET) ** count
+        self._reached = self._reached * decay + reached[1 : k + 1]
+        self._accepted = self._accepted * decay + took[1 : k + 1]
 
     def cost(self) -> tuple[float, float] | None:
         """(t0, t1) of the fitted step time, or None while it cannot be fitted."""
@@ -87,13 +89,17 @@ class DraftBudget:
         if fit is None:
             return self.k
         t0, t1 = fit
-        # expected extra tokens of d drafts: sum over j <= d of P(first j accepted)
-        rate = np.clip(self._accepted / np.maximum(self._reached, 1e-9), 0.0, 1.0)
-        gain = np.concatenate(([0.0], np.cumsum(np.cumprod(rate))))
-        d = np.arange(self.k + 1)
-        tokens = num_rows + num_proposing * gain
-        seconds = np.maximum(t0 + t1 * (num_rows + num_proposing * d), 1e-9)
-        best = int(np.argmax(tokens / seconds))
+        # expected tokens per second with d drafts each: the accepted prefix's
+        # expected length is the sum over j <= d of P(the first j all accepted)
+        gains, reach = [0.0], 1.0
+        for took, reached in zip(self._accepted.tolist(), self._reached.tolist(), strict=True):
+            reach *= min(took / max(reached, 1e-9), 1.0)
+            gains.append(gains[-1] + reach)
+        rates = [
+            (num_rows + num_proposing * gain) / max(t0 + t1 * (num_rows + num_proposing * d), 1e-9)
+            for d, gain in enumerate(gains)
+        ]
+        best = max(range(len(rates)), key=rates.__getitem__)  # the fewest drafts on a tie
         if best > 0:
             self._since_drafts = 0
             return best
