@@ -5,6 +5,7 @@ projection (q/k/v/o/gate/up/down), in one engine with LoRA on.
     python benches/bench_lora.py [--rounds 5] [--tokens 64] [--kernel auto|rust|torch]
     python benches/bench_lora.py --kernels [--rounds 9]
     python benches/bench_lora.py --load-only
+    python benches/bench_lora.py --quick        # 1 round of 8 tokens (CI)
 
 Each round alternates, in one engine: base rows vs adapter rows for
 - 64 streams: all on the base model / spread over 8 adapters (8 streams each);
@@ -171,7 +172,10 @@ def main() -> None:
     ap.add_argument("--kernel", default="auto", help="LoRA kernel: auto, rust or torch")
     ap.add_argument("--kernels", action="store_true", help="time the two kernels alone")
     ap.add_argument("--load-only", action="store_true", help="only the adapter load time")
+    ap.add_argument("--quick", action="store_true", help="1 round of 8 tokens")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.tokens = 1, 8
     if args.kernels:
         print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
         bench_kernels(args.rounds)
