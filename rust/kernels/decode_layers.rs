@@ -20,8 +20,9 @@
 //! order for any row count) and attention on `paged_attention`, so a row gives
 //! the same bits alone and in a batch.
 
+use super::decode_proj::{project, Proj};
 use super::elementwise::{add_in_place, narrow, rms_norm_row, round, widen};
-use super::linear::{linear, Elem, LinearIsa, LinearShape};
+use super::linear::{Elem, LinearIsa, LinearShape};
 use super::paged_attention::{paged_decode_attention, DecodeShape, KvCache};
 use super::silu_mul::silu_mul_rows;
 use super::KernelError;
@@ -54,16 +55,17 @@ impl DecodeDims {
     }
 }
 
-/// One layer's weights, in `nn.Linear`'s `[out, in]` layout; gate and up stacked
-/// (`[2 * intermediate, hidden]`), q, k and v stacked.
+/// One layer's weights, projections in `nn.Linear`'s `[out, in]` layout (float or
+/// GGUF blocks); gate and up stacked (`[2 * intermediate, hidden]`), q, k and v
+/// stacked.
 pub struct LayerWeights<'a, E> {
     pub input_norm: &'a [E],
-    pub qkv: &'a [E],
+    pub qkv: Proj<'a, E>,
     pub qkv_bias: Option<&'a [f32]>,
-    pub o: &'a [E],
+    pub o: Proj<'a, E>,
     pub post_norm: &'a [E],
-    pub gate_up: &'a [E],
-    pub down: &'a [E],
+    pub gate_up: Proj<'a, E>,
+    pub down: Proj<'a, E>,
 }
 
 /// A layer's paged KV cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
@@ -155,7 +157,14 @@ pub fn decode_layers<E: Elem, C: Elem>(
             k: h,
             n: d.qkv_size(),
         };
-        linear(shape, &s.normed, w.qkv, w.qkv_bias, num_threads, &mut s.qkv)?;
+        project(
+            &w.qkv,
+            shape,
+            &s.normed,
+            w.qkv_bias,
+            num_threads,
+            &mut s.qkv,
+        )?;
         for r in 0..m {
             let row = &mut s.qkv[r * d.qkv_size()..(r + 1) * d.qkv_size()];
             let half = d.head_dim / 2;
@@ -192,10 +201,10 @@ pub fn decode_layers<E: Elem, C: Elem>(
             &mut s.att32,
         )?;
         narrow(&s.att32, &mut s.att);
-        linear(
+        project(
+            &w.o,
             LinearShape { m, k: qs, n: h },
             &s.att,
-            w.o,
             None,
             num_threads,
             &mut s.out,
@@ -207,19 +216,19 @@ pub fn decode_layers<E: Elem, C: Elem>(
             k: h,
             n: 2 * inter,
         };
-        linear(
+        project(
+            &w.gate_up,
             shape,
             &s.normed,
-            w.gate_up,
             None,
             num_threads,
             &mut s.gate_up,
         )?;
         silu_mul_rows(isa, &s.gate_up, inter, &mut s.act);
-        linear(
+        project(
+            &w.down,
             LinearShape { m, k: inter, n: h },
             &s.act,
-            w.down,
             None,
             num_threads,
             &mut s.out,
@@ -324,25 +333,34 @@ fn check<E: Elem, C: Elem>(
     let per_seq = step.block_tables.len() / m;
     let (h, inter) = (d.hidden, d.intermediate);
     for (i, (w, cache)) in layers.iter().enumerate() {
-        let sizes = [
-            ("input_norm", w.input_norm.len(), h),
-            ("qkv", w.qkv.len(), d.qkv_size() * h),
-            ("o", w.o.len(), h * d.q_size()),
-            ("post_norm", w.post_norm.len(), h),
-            ("gate_up", w.gate_up.len(), 2 * inter * h),
-            ("down", w.down.len(), h * inter),
-            (
-                "kv cache",
-                cache.len,
-                2 * cache.num_blocks * cache.block_size * d.kv_size(),
-            ),
+        let norms = [
+            ("input_norm", w.input_norm.len()),
+            ("post_norm", w.post_norm.len()),
         ];
-        for (name, got, want) in sizes {
-            if got != want || cache.block_size == 0 {
+        for (name, got) in norms {
+            if got != h {
                 return bad(format!(
-                    "layer {i}: {name} has {got} elements, expected {want}"
+                    "layer {i}: {name} has {got} elements, expected {h}"
                 ));
             }
+        }
+        let projections = [
+            ("qkv", &w.qkv, d.qkv_size(), h),
+            ("o", &w.o, h, d.q_size()),
+            ("gate_up", &w.gate_up, 2 * inter, h),
+            ("down", &w.down, h, inter),
+        ];
+        for (name, p, n, k) in projections {
+            if let Some(why) = p.mismatch(n, k) {
+                return bad(format!("layer {i}: {name} {why}"));
+            }
+        }
+        let cells_len = 2 * cache.num_blocks * cache.block_size * d.kv_size();
+        if cache.len != cells_len || cache.block_size == 0 {
+            return bad(format!(
+                "layer {i}: kv cache has {} elements, expected {cells_len}",
+                cache.len
+            ));
         }
         if w.qkv_bias.is_some_and(|b| b.len() != d.qkv_size()) {
             return bad(format!(

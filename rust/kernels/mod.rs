@@ -10,6 +10,7 @@ mod attention_block;
 mod attention_job;
 mod bf16;
 mod decode_layers;
+mod decode_proj;
 mod elementwise;
 mod exp;
 mod gguf;
@@ -39,6 +40,7 @@ mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
 pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
+pub use decode_proj::{GgufPart, Proj};
 pub use elementwise::{add_rms_norm, rms_norm};
 pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_int::{gguf_int_isa, gguf_linear_int};

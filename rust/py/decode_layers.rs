@@ -1,16 +1,19 @@
 //! Python binding of the fused decode step (`crate::kernels::decode_layers`): a
 //! `_DecodePlan` holds the buffers of every layer's weights and KV cache (made
 //! once, when the model loads), and `run` takes a step's few small arrays.
-//! Weights and caches are float32, or bfloat16 passed as int16 bits.
+//! Weights and caches are float32, or bfloat16 passed as int16 bits; a
+//! projection may instead be GGUF blocks, a list of `(qtype, uint8 rows)` parts.
 
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyList, PyTuple};
 
 use super::kernels::{byte_range, data_ptr};
 use crate::error::Error;
-use crate::kernels::{decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, LayerWeights};
+use crate::kernels::{
+    decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, GgufPart, GgufType, LayerWeights, Proj,
+};
 
 /// A C-contiguous buffer of float32 or of bfloat16 bits (int16), any shape.
 pub(super) enum Buf {
@@ -105,14 +108,76 @@ impl Buf {
     }
 }
 
+/// A projection's weight as `run` reads it.
+enum ProjBuf {
+    Float(Buf),
+    Gguf(Vec<(GgufType, PyBuffer<u8>)>),
+}
+
+impl ProjBuf {
+    fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        if !obj.is_instance_of::<PyList>() {
+            return Buf::get(obj, name).map(ProjBuf::Float);
+        }
+        let mut parts = Vec::new();
+        for part in obj.cast::<PyList>()?.iter() {
+            let bad = || PyValueError::new_err(format!("{name}: a part is (qtype, uint8 rows)"));
+            let (qtype, rows): (String, Bound<'_, PyAny>) = part.extract().map_err(|_| bad())?;
+            let t = GgufType::from_name(&qtype).map_err(|e| PyErr::from(Error::from(e)))?;
+            let buf = PyBuffer::<u8>::get(&rows).map_err(|_| bad())?;
+            if !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "{name} must be C-contiguous"
+                )));
+            }
+            parts.push((t, buf));
+        }
+        if parts.is_empty() {
+            return Err(PyValueError::new_err(format!("{name} has no parts")));
+        }
+        Ok(ProjBuf::Gguf(parts))
+    }
+
+    fn float_is_bf16(&self) -> Option<bool> {
+        match self {
+            ProjBuf::Float(b) => Some(b.is_bf16()),
+            ProjBuf::Gguf(_) => None,
+        }
+    }
+
+    /// The weight for the kernel.
+    ///
+    /// # Safety
+    /// As `Buf::slice`: `E` matches a float buffer's variant, and nothing writes
+    /// the buffers while the projection lives.
+    unsafe fn proj<E>(&self) -> Proj<'_, E> {
+        match self {
+            // SAFETY: the caller's (above).
+            ProjBuf::Float(b) => Proj::Float(unsafe { b.slice() }),
+            ProjBuf::Gguf(parts) => Proj::Gguf(
+                parts
+                    .iter()
+                    .map(|(t, b)| GgufPart {
+                        t: *t,
+                        // SAFETY: a C-contiguous (checked in `get`), non-null
+                        // (`data_ptr`) byte buffer valid while held; no writers:
+                        // the caller's.
+                        blocks: unsafe { std::slice::from_raw_parts(data_ptr(b), b.item_count()) },
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
 struct Layer {
     input_norm: Buf,
-    qkv: Buf,
+    qkv: ProjBuf,
     qkv_bias: Option<PyBuffer<f32>>,
-    o: Buf,
+    o: ProjBuf,
     post_norm: Buf,
-    gate_up: Buf,
-    down: Buf,
+    gate_up: ProjBuf,
+    down: ProjBuf,
     cache: Buf,
 }
 
@@ -133,7 +198,8 @@ pub struct DecodePlan {
 #[pymethods]
 impl DecodePlan {
     /// `layers`: per layer (input_norm, qkv, qkv_bias or None, o, post_norm,
-    /// gate_up, down, kv_cache), weights in the model's dtype, the bias float32,
+    /// gate_up, down, kv_cache), weights in the model's dtype — or, for a
+    /// projection, a list of GGUF parts `(qtype, uint8 rows)` — the bias float32,
     /// the cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
     #[new]
     #[allow(clippy::too_many_arguments)] // the model's sizes, all distinct
@@ -160,17 +226,13 @@ impl DecodePlan {
         let Some(first) = layers.first() else {
             return Err(PyValueError::new_err("layers must not be empty"));
         };
-        let (bf16, cache_bf16) = (first.qkv.is_bf16(), first.cache.is_bf16());
+        let (bf16, cache_bf16) = (first.input_norm.is_bf16(), first.cache.is_bf16());
         for (i, l) in layers.iter().enumerate() {
-            let weights = [
-                &l.input_norm,
-                &l.qkv,
-                &l.o,
-                &l.post_norm,
-                &l.gate_up,
-                &l.down,
-            ];
-            if weights.iter().any(|w| w.is_bf16() != bf16) || l.cache.is_bf16() != cache_bf16 {
+            let projections = [&l.qkv, &l.o, &l.gate_up, &l.down];
+            let floats = projections.iter().filter_map(|p| p.float_is_bf16());
+            let norms = [l.input_norm.is_bf16(), l.post_norm.is_bf16()];
+            if norms.into_iter().chain(floats).any(|b| b != bf16) || l.cache.is_bf16() != cache_bf16
+            {
                 return Err(PyValueError::new_err(format!(
                     "layer {i}: the weights must share one dtype, and the caches one"
                 )));
@@ -266,14 +328,14 @@ impl DecodePlan {
             let weights = unsafe {
                 LayerWeights {
                     input_norm: l.input_norm.slice(),
-                    qkv: l.qkv.slice(),
+                    qkv: l.qkv.proj(),
                     qkv_bias: l.qkv_bias.as_ref().map(|b| {
                         std::slice::from_raw_parts(data_ptr(b).cast_const(), b.item_count())
                     }),
-                    o: l.o.slice(),
+                    o: l.o.proj(),
                     post_norm: l.post_norm.slice(),
-                    gate_up: l.gate_up.slice(),
-                    down: l.down.slice(),
+                    gate_up: l.gate_up.proj(),
+                    down: l.down.proj(),
                 }
             };
             layers.push((weights, cache));
@@ -303,19 +365,20 @@ fn layer(t: &Bound<'_, PyTuple>) -> PyResult<Layer> {
         ));
     }
     let item = |i: usize, name: &str| Buf::get(&t.get_item(i)?, name);
+    let proj = |i: usize, name: &str| ProjBuf::get(&t.get_item(i)?, name);
     let bias = t.get_item(2)?;
     Ok(Layer {
         input_norm: item(0, "input_norm")?,
-        qkv: item(1, "qkv")?,
+        qkv: proj(1, "qkv")?,
         qkv_bias: if bias.is_none() {
             None
         } else {
             Some(typed_f32(&bias)?)
         },
-        o: item(3, "o")?,
+        o: proj(3, "o")?,
         post_norm: item(4, "post_norm")?,
-        gate_up: item(5, "gate_up")?,
-        down: item(6, "down")?,
+        gate_up: proj(5, "gate_up")?,
+        down: proj(6, "down")?,
         cache: item(7, "kv_cache")?,
     })
 }

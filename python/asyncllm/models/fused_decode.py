@@ -11,9 +11,11 @@ interpreter's and the dispatcher's working set: the ops that follow pay for it
 It serves Llama-shaped layers only (Llama, Mistral, Qwen2, SmolLM: pre-norm
 RMSNorm, fused q/k/v with optional bias, rotate-half rotary over the whole head,
 SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
-layout (a weight reordered for oneDNN cannot be read here), and steps of at most
-`MAX_ROWS` tokens that each attend as a decode: decodes, and speculative decoding's
-verification tokens. Anything else takes the torch path.
+layout (a weight reordered for oneDNN cannot be read here) or in GGUF blocks
+(`models.gguf`: then only for the row counts where every GGUF layer chose the
+integer kernel, which the fused call runs), and steps of at most `MAX_ROWS` tokens
+that each attend as a decode: decodes, and speculative decoding's verification
+tokens. Anything else takes the torch path.
 
 The numbers are the torch path's: the kernel rounds to the model's dtype wherever
 the torch path holds a tensor, and runs the same matrix-vector and attention
@@ -33,7 +35,9 @@ import torch
 from torch import nn
 
 from asyncllm import _core
+from asyncllm.models import kernel_rows
 from asyncllm.models.attention import AttentionMetadata
+from asyncllm.models.gguf.layers import INT_TYPES, GGUFEmbedding, GGUFLinear, bucket_index
 from asyncllm.models.layers import EAGER_OPS, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from asyncllm.models.linear_kernels import KernelLinear, as_buffer
 from asyncllm.models.native_ops import NATIVE_OPS
@@ -54,11 +58,15 @@ class FusedDecode:
         rotary: RotaryEmbedding,
         kv_caches: list[torch.Tensor],
         num_threads: int,
+        buckets: frozenset[int] | None = None,
     ) -> None:
         self.plan = plan
         self.rotary = rotary
         self.kv_caches = kv_caches  # the runner's list: a step with another one is not ours
         self.num_threads = num_threads
+        # With GGUF layers, the row buckets whose chosen kernels the call computes
+        # (None: every bucket, float weights only).
+        self.buckets = buckets
 
     @classmethod
     def build(
@@ -81,10 +89,16 @@ class FusedDecode:
             float(model.layers[0].input_layernorm.eps),
             float(attn.scale),
         )
-        return cls(plan, model.rotary_emb, kv_caches, num_threads)
+        return cls(plan, model.rotary_emb, kv_caches, num_threads, _gguf_buckets(model))
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        return meta.num_tokens <= MAX_ROWS and kv_caches is self.kv_caches and _each_a_decode(meta)
+        if meta.num_tokens > MAX_ROWS or kv_caches is not self.kv_caches:
+            return False
+        # GGUF layers: the bucket they would choose by (a verification: its decode step's)
+        rows = kernel_rows.rows or meta.num_tokens
+        if self.buckets is not None and bucket_index(rows) not in self.buckets:
+            return False
+        return _each_a_decode(meta)
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -148,11 +162,15 @@ def unsupported(model: Any, kv_caches: list[torch.Tensor] | None = None) -> str 
         return f"{cls.__name__} has its own forward or embedding"
     if type(model.rotary_emb) is not RotaryEmbedding:
         return f"{type(model.rotary_emb).__name__} rotary"
-    if not isinstance(model.embed_tokens, nn.Embedding):  # e.g. GGUF blocks (models/gguf)
-        return f"a {type(model.embed_tokens).__name__} embedding"
-    weight = model.embed_tokens.weight
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-        return f"{weight.device.type} {weight.dtype}"
+    embed = model.embed_tokens
+    if isinstance(embed, GGUFEmbedding):
+        where, dtype = embed.raw.device.type, embed.dtype
+    elif isinstance(embed, nn.Embedding):
+        where, dtype = embed.weight.device.type, embed.weight.dtype
+    else:
+        return f"a {type(embed).__name__} embedding"
+    if where != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return f"{where} {dtype}"
     if kv_caches is not None and len(kv_caches) != len(model.layers):
         return "a KV cache per layer"
     for i, layer in enumerate(model.layers):
@@ -185,6 +203,9 @@ def _layer_unsupported(
         if isinstance(linear, KernelLinear):
             if "onednn" in linear.kernels:
                 return "a projection reordered for oneDNN"
+        elif type(linear) is GGUFLinear:
+            if linear.part0.device.type != "cpu":
+                return "GGUF blocks off the CPU"
         elif type(linear) is not nn.Linear:
             return f"{type(linear).__name__} projections"
     if any(p.bias is not None for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
@@ -198,16 +219,39 @@ def _layer_unsupported(
     return None
 
 
+def _gguf_buckets(model: Any) -> frozenset[int] | None:
+    """The row buckets (up to MAX_ROWS) where every GGUF projection of the layers
+    runs what the fused call runs — the integer kernel on block parts, the float
+    one on float parts — or None when no projection is GGUF."""
+    gguf = [m for layer in model.layers for m in layer.modules() if isinstance(m, GGUFLinear)]
+    if not gguf:
+        return None
+
+    def fused_there(layer: GGUFLinear, bucket: int) -> bool:
+        kernel = layer.kernels[bucket]
+        return kernel == "int" or (kernel == "float" and not set(layer.qtypes) & INT_TYPES)
+
+    buckets = range(bucket_index(MAX_ROWS) + 1)
+    return frozenset(b for b in buckets if all(fused_there(m, b) for m in gguf))
+
+
+def _projection(linear: Any) -> Any:
+    """A projection's weight for the plan: its buffer, or its GGUF parts."""
+    if isinstance(linear, GGUFLinear):
+        return [(qtype, raw.numpy()) for qtype, raw in linear.parts()]
+    return as_buffer(linear.weight.detach())
+
+
 def _layer_buffers(layer: Any, cache: torch.Tensor) -> tuple[Any, ...]:
     attn, mlp = layer.self_attn, layer.mlp
     bias = attn.qkv_proj.bias
     return (
         as_buffer(layer.input_layernorm.weight.detach()),
-        as_buffer(attn.qkv_proj.weight.detach()),
+        _projection(attn.qkv_proj),
         None if bias is None else bias.detach().float().contiguous().numpy(),
-        as_buffer(attn.o_proj.weight.detach()),
+        _projection(attn.o_proj),
         as_buffer(layer.post_attention_layernorm.weight.detach()),
-        as_buffer(mlp.gate_up_proj.weight.detach()),
-        as_buffer(mlp.down_proj.weight.detach()),
+        _projection(mlp.gate_up_proj),
+        _projection(mlp.down_proj),
         as_buffer(cache),
     )

@@ -1,0 +1,98 @@
+//! A projection of the fused decode step (`decode_layers`): float weights in the
+//! checkpoint's layout, or GGUF blocks read as they are (the models of
+//! `asyncllm.models.gguf`, whose layers keep their weights quantized).
+//!
+//! The GGUF arm computes what `GGUFLinear`'s `int` kernel computes on the torch
+//! path, rounding where it rounds: `x` widened to f32, each part's product by the
+//! integer kernel (`gguf_linear_int`; float parts by `gguf_linear`) in f32, the
+//! result rounded to the model's dtype, then the bias added and rounded again
+//! (`out + bias` on a tensor of that dtype). Parts stack along the output, as
+//! `torch.cat` stacks them.
+
+use super::elementwise::widen;
+use super::gguf::GgufType;
+use super::gguf_int::gguf_linear_int;
+use super::gguf_linear::gguf_linear;
+use super::linear::{linear, Elem, LinearShape};
+use super::KernelError;
+
+/// One run of output rows of a GGUF weight, all of one block type.
+pub struct GgufPart<'a> {
+    pub t: GgufType,
+    /// Whole rows of `t.row_bytes(k)` bytes each.
+    pub blocks: &'a [u8],
+}
+
+/// A projection's weight, `[out, in]`.
+pub enum Proj<'a, E> {
+    Float(&'a [E]),
+    Gguf(Vec<GgufPart<'a>>),
+}
+
+impl<E> Proj<'_, E> {
+    /// Why this weight cannot be `[n, k]`, or None when it is.
+    pub(super) fn mismatch(&self, n: usize, k: usize) -> Option<String> {
+        match self {
+            Proj::Float(w) if w.len() != n * k => {
+                Some(format!("has {} elements, expected {}", w.len(), n * k))
+            }
+            Proj::Float(_) => None,
+            Proj::Gguf(parts) => {
+                let mut rows = 0;
+                for p in parts {
+                    let rb = match p.t.row_bytes(k) {
+                        Ok(rb) => rb,
+                        Err(e) => return Some(e.to_string()),
+                    };
+                    if !p.blocks.len().is_multiple_of(rb) {
+                        return Some(format!("{:?} blocks are not whole rows of {k}", p.t));
+                    }
+                    rows += p.blocks.len() / rb;
+                }
+                (rows != n).then(|| format!("has {rows} rows of blocks, expected {n}"))
+            }
+        }
+    }
+}
+
+/// `out[m, n] = x[m, k] · Wᵀ (+ bias)` on `num_threads` threads.
+pub(super) fn project<E: Elem>(
+    w: &Proj<'_, E>,
+    shape: LinearShape,
+    x: &[E],
+    bias: Option<&[f32]>,
+    num_threads: usize,
+    out: &mut [E],
+) -> Result<(), KernelError> {
+    let parts = match w {
+        Proj::Float(w) => return linear(shape, x, w, bias, num_threads, out),
+        Proj::Gguf(parts) => parts,
+    };
+    let LinearShape { m, k, n } = shape;
+    let mut x32 = vec![0.0f32; m * k];
+    widen(x, &mut x32);
+    let mut first = 0;
+    for p in parts {
+        let rows = p.blocks.len() / p.t.row_bytes(k)?;
+        let mut y = vec![0.0f32; m * rows];
+        if matches!(p.t, GgufType::F32 | GgufType::F16 | GgufType::Bf16) {
+            gguf_linear(p.t, m, k, &x32, p.blocks, num_threads, &mut y)?;
+        } else {
+            gguf_linear_int(p.t, m, k, &x32, p.blocks, num_threads, &mut y)?;
+        }
+        for (dst, src) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
+            for (d, s) in dst[first..first + rows].iter_mut().zip(src) {
+                *d = E::from_f32(*s);
+            }
+        }
+        first += rows;
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(n) {
+            for (v, b) in row.iter_mut().zip(b) {
+                *v = E::from_f32(v.to_f32() + b);
+            }
+        }
+    }
+    Ok(())
+}

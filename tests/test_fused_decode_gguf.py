@@ -1,0 +1,69 @@
+"""The fused decode step over GGUF blocks (asyncllm.models.fused_decode with
+models/gguf layers, rust/kernels/decode_proj.rs) on the real SmolLM2 Q4_1: the
+torch path's logits in float32 and bfloat16, a row's bits independent of its
+batch, and the torch path wherever the layers chose a kernel the call does not
+run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_fused_decode import PROMPTS, _generate
+
+from asyncllm import EngineArgs
+from asyncllm.gguf_files import prepare_gguf
+from asyncllm.models.fused_decode import unsupported
+from asyncllm.models.gguf.layers import GGUFLinear
+from asyncllm.models.hf_config import load_hf_config
+from asyncllm.worker.model_runner import ModelRunner
+
+DECODES = 12
+
+
+def _runner(gguf: Path, dtype: str, fused: bool, kernel: str = "int") -> ModelRunner:
+    folder = prepare_gguf(gguf)
+    hf = load_hf_config(folder)
+    args = EngineArgs(
+        model=str(gguf),
+        dtype=dtype,
+        device="cpu",
+        num_kv_blocks=64,
+        max_model_len=256,
+        fused_decode=fused,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASYNCLLM_GGUF_KERNEL", kernel)  # the same kernels on both paths
+        return ModelRunner(args.resolve(hf), hf)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_gguf_decode_gives_the_torch_paths_logits(smollm2_gguf: Path, dtype: str) -> None:
+    fused, plain = _runner(smollm2_gguf, dtype, True), _runner(smollm2_gguf, dtype, False)
+    assert fused.model.fused_decode is not None and plain.model.fused_decode is None
+    assert any(isinstance(m, GGUFLinear) for m in fused.model.layers.modules())
+    got, want = _generate(fused, PROMPTS, DECODES), _generate(plain, PROMPTS, DECODES)
+    assert got.fused_calls == DECODES
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+        if dtype == "float32":
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        else:  # exp and sqrt may differ in a bf16 value's last bit (test_fused_decode)
+            torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+def test_a_gguf_row_gives_the_same_bits_alone_and_in_a_batch(smollm2_gguf: Path) -> None:
+    alone = _generate(_runner(smollm2_gguf, "float32", True), PROMPTS[:1], 4)
+    batch = _generate(_runner(smollm2_gguf, "float32", True), PROMPTS, 4)
+    assert alone.fused_calls == batch.fused_calls == 4
+    for a, b in zip(alone.logits, batch.logits, strict=True):
+        assert torch.equal(a[0], b[0])
+
+
+def test_layers_on_other_kernels_take_the_torch_path(smollm2_gguf: Path) -> None:
+    runner = _runner(smollm2_gguf, "float32", True, kernel="tiles")
+    assert unsupported(runner.model, runner.kv_caches) is None  # it could run the layers...
+    fused = runner.model.fused_decode
+    assert fused is not None and fused.buckets == frozenset()  # ...but not their kernels
+    assert _generate(runner, PROMPTS[:1], 2).fused_calls == 0
