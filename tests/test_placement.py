@@ -41,6 +41,14 @@ def test_pinned_core_and_passive_wait_policy():
     assert os.sched_getaffinity(0) == ours
 
 
+def test_offline_core_keeps_libgomps_own_wait_policy(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("ASYNCLLM_OMP_WAIT_POLICY", raising=False)
+    with LLM() as llm:
+        environ = Path(f"/proc/{_core_pid(llm)}/environ").read_bytes().split(b"\0")
+        assert not any(v.startswith(b"OMP_WAIT_POLICY=") for v in environ)
+
+
 def test_placement_settings_are_checked(monkeypatch):
     with pytest.raises(ConfigError, match="omp_wait_policy"):
         EngineArgs(omp_wait_policy="spin")
@@ -67,7 +75,8 @@ def test_streaming_entry_points_fill_only_what_the_user_left(monkeypatch, entry)
     assert (mine.num_threads, mine.pin_threads) == (cpus, False)
     assert placement(EngineArgs(pin_threads=False), entry).pin_threads is False
     parallel = EngineArgs(data_parallel_size=2)
-    assert placement(parallel, entry) == parallel
+    assert placement(parallel, entry) == EngineArgs(data_parallel_size=2, omp_wait_policy="passive")
+    assert auto.omp_wait_policy == "passive"  # idle workers leave the front end its CPU
     # a core in a thread of this process cannot be pinned apart from it
     in_thread = placement(EngineArgs(), entry, in_process=True)
     assert (in_thread.num_threads, in_thread.pin_threads) == (max(1, cpus - 1), False)
@@ -75,9 +84,11 @@ def test_streaming_entry_points_fill_only_what_the_user_left(monkeypatch, entry)
 
 def test_offline_keeps_torchs_default_and_omp_num_threads_wins(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert placement(EngineArgs(), "offline") == EngineArgs()
+    # torch's threads, unpinned, and libgomp's spin-then-sleep: the front end idles
+    assert placement(EngineArgs(), "offline") == EngineArgs(omp_wait_policy="inherit")
+    assert placement(EngineArgs(omp_wait_policy="passive"), "offline").omp_wait_policy == "passive"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert placement(EngineArgs(), "async") == EngineArgs()
+    assert placement(EngineArgs(), "async") == EngineArgs(omp_wait_policy="passive")
 
 
 def test_cpu_bind_overrides_the_policy(monkeypatch):

@@ -128,7 +128,8 @@ class EngineArgs:
     # CPU, see asyncllm.placement; off otherwise); and the OpenMP wait policy of
     # the core's torch threads ("passive": sleep at once, leaving the CPU to the
     # front end and IO threads; "active": spin; "inherit": the environment's
-    # OMP_WAIT_POLICY, else libgomp's spin-then-sleep). Defaults:
+    # OMP_WAIT_POLICY, else libgomp's spin-then-sleep; "auto": the placement
+    # policy's choice, passive where it places nothing). Defaults:
     # ASYNCLLM_PIN_THREADS, ASYNCLLM_OMP_WAIT_POLICY.
     pin_threads: bool | None = field(default_factory=envs.pin_threads)
     omp_wait_policy: str = field(default_factory=envs.omp_wait_policy)

@@ -72,9 +72,9 @@ def pin_threads() -> bool | None:
 
 
 def omp_wait_policy() -> str:
-    """ASYNCLLM_OMP_WAIT_POLICY (default "passive"): the default of
-    `EngineArgs.omp_wait_policy` (checked there)."""
-    return os.environ.get("ASYNCLLM_OMP_WAIT_POLICY", "").strip().lower() or "passive"
+    """ASYNCLLM_OMP_WAIT_POLICY (default "auto": the placement policy's choice): the
+    default of `EngineArgs.omp_wait_policy` (checked there)."""
+    return os.environ.get("ASYNCLLM_OMP_WAIT_POLICY", "").strip().lower() or "auto"
 
 
 def host_ip() -> str | None:

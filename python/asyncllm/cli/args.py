@@ -79,7 +79,8 @@ ENGINE_HELP: dict[str, str] = {
     " that leaves the front end a CPU, off for generate)",
     "omp_wait_policy": f"OpenMP wait policy of the engine core's torch threads, one of"
     f" {', '.join(OMP_WAIT_POLICIES)} (inherit: this environment's OMP_WAIT_POLICY;"
-    " default: $ASYNCLLM_OMP_WAIT_POLICY, else passive)",
+    " auto: inherit for generate, else passive; default: $ASYNCLLM_OMP_WAIT_POLICY,"
+    " else auto)",
     "prefix_aware_routing": "with --data-parallel-size: send a prompt whose first KV block"
     " was seen before to the same core, unless it is much busier (off by default)",
     "async_scheduling": "overlap scheduling: prepare step N+1 while step N's forward runs"

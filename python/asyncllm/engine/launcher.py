@@ -99,8 +99,9 @@ def core_environment(args: EngineArgs) -> dict[str, str]:
     torch loads in the fresh interpreter, and the Ray cluster to join where Ray
     places its tensor-parallel workers."""
     env = dict(os.environ, **cluster_environment(args))
-    if args.omp_wait_policy != "inherit":
-        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    policy = "passive" if args.omp_wait_policy == "auto" else args.omp_wait_policy
+    if policy != "inherit":
+        env["OMP_WAIT_POLICY"] = policy.upper()
     return env
 
 
