@@ -65,19 +65,27 @@ def select_gguf_kernels(
 
 
 def measure(layer: GGUFLinear, dtype: torch.dtype) -> tuple[str, ...]:
-    """The fastest kernel per bucket on this layer (ties to the earlier of
-    GGUF_KERNELS); the matrix-vector kernels only up to FUSED_MAX_ROWS rows."""
+    """Up to FUSED_MAX_ROWS rows the integer kernel (the float one for a layer of
+    float parts only), unmeasured; beyond, the fastest tiled kernel (ties to the
+    earlier of GGUF_KERNELS).
+
+    Why one kernel for every small bucket: a request's bits then do not change as
+    other streams come and go, and a speculative verification gives its decode
+    steps' tokens even when fewer requests are live than in the run without it
+    (issue 29; with tiles chosen at 9-16 rows, SmolLM2 kept 95 % of its greedy
+    tokens under speculation). After the grouping and offset fixes the integer
+    kernel is at or near the tiled ones' speed at 16 rows anyway."""
     has_int = any(q in INT_TYPES for q in layer.qtypes)
+    small = "int" if has_int else "float"
     gen = torch.Generator().manual_seed(0)  # leaves torch's global random state alone
     kernels = []
     with torch.inference_mode():
         for rows in BUCKETS:
+            if rows <= FUSED_MAX_ROWS:
+                kernels.append(small)
+                continue
             x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
-            names = [
-                k
-                for k in GGUF_KERNELS
-                if (rows <= FUSED_MAX_ROWS or k.startswith("tiles")) and (has_int or k != "int")
-            ]
+            names = [k for k in GGUF_KERNELS if k.startswith("tiles")]
             fns: dict[str, Callable[[], Any]] = {k: partial(layer.run, k, x) for k in names}
             times = best_times(fns)
             kernels.append(min(names, key=lambda k: times[k]))

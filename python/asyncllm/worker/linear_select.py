@@ -54,9 +54,10 @@ from asyncllm.models.linear_kernels import (
 logger = logging.getLogger(__name__)
 
 # Part of the cache key: bump it when a kernel's speed changes, so that machines
-# measure again rather than keep choices made against the old kernel (3: the GGUF
-# integer kernel at 8-16 rows, 2.4x faster).
-CACHE_VERSION = 3
+# measure again rather than keep choices made against the old kernel (3, 4: the GGUF
+# integer kernel at 8-16 rows, 2.4x faster; GGUF layers: the integer kernel for
+# every bucket up to 16 rows).
+CACHE_VERSION = 4
 REPS = 7
 # Where the model's small decode steps run fused (which reads the checkpoint's
 # layout), oneDNN's reordered layout must beat it by this factor on the larger
