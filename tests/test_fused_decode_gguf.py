@@ -14,7 +14,7 @@ from test_fused_decode import PROMPTS, _generate
 
 from asyncllm import EngineArgs
 from asyncllm.gguf_files import prepare_gguf
-from asyncllm.models.fused_decode import unsupported
+from asyncllm.models.fused_decode import GGUF_MAX_ROWS, unsupported
 from asyncllm.models.gguf.layers import GGUFLinear
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.worker.model_runner import ModelRunner
@@ -29,7 +29,7 @@ def _runner(gguf: Path, dtype: str, fused: bool, kernel: str = "int") -> ModelRu
         model=str(gguf),
         dtype=dtype,
         device="cpu",
-        num_kv_blocks=64,
+        num_kv_blocks=128,
         max_model_len=256,
         fused_decode=fused,
     )
@@ -67,3 +67,11 @@ def test_layers_on_other_kernels_take_the_torch_path(smollm2_gguf: Path) -> None
     fused = runner.model.fused_decode
     assert fused is not None and fused.buckets == frozenset()  # ...but not their kernels
     assert _generate(runner, PROMPTS[:1], 2).fused_calls == 0
+
+
+def test_gguf_steps_fuse_up_to_the_integer_kernels_rows(smollm2_gguf: Path) -> None:
+    runner = _runner(smollm2_gguf, "float32", True)
+    prompts = [list(range(3 + i, 9 + i)) for i in range(GGUF_MAX_ROWS + 1)]
+    assert _generate(runner, prompts[:GGUF_MAX_ROWS], 2).fused_calls == 2
+    runner = _runner(smollm2_gguf, "float32", True)
+    assert _generate(runner, prompts, 2).fused_calls == 0

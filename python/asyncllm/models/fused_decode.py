@@ -14,6 +14,7 @@ SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
 layout (a weight reordered for oneDNN cannot be read here) or in GGUF blocks
 (`models.gguf`: then only for the row counts where every GGUF layer chose the
 integer kernel, which the fused call runs), and steps of at most `MAX_ROWS` tokens
+(`GGUF_MAX_ROWS` with GGUF layers, whose integer kernel serves up to 16 rows)
 that each attend as a decode: decodes, and speculative decoding's verification
 tokens. Anything else takes the torch path.
 
@@ -37,7 +38,13 @@ from torch import nn
 from asyncllm import _core
 from asyncllm.models import kernel_rows
 from asyncllm.models.attention import AttentionMetadata
-from asyncllm.models.gguf.layers import INT_TYPES, GGUFEmbedding, GGUFLinear, bucket_index
+from asyncllm.models.gguf.layers import (
+    FUSED_MAX_ROWS,
+    INT_TYPES,
+    GGUFEmbedding,
+    GGUFLinear,
+    bucket_index,
+)
 from asyncllm.models.layers import EAGER_OPS, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from asyncllm.models.linear_kernels import KernelLinear, as_buffer
 from asyncllm.models.native_ops import NATIVE_OPS
@@ -47,6 +54,9 @@ logger = logging.getLogger(__name__)
 # Decode rows a fused step takes. Beyond a few rows the matrix-vector kernel does
 # the FLOPs without a GEMM's blocking and the per-op cost matters less.
 MAX_ROWS = 8
+# With GGUF layers the kernel the torch path would run up to 16 rows is the same
+# integer kernel the call runs (gguf_select), so the call takes those steps too.
+GGUF_MAX_ROWS = FUSED_MAX_ROWS
 
 
 class FusedDecode:
@@ -67,6 +77,7 @@ class FusedDecode:
         # With GGUF layers, the row buckets whose chosen kernels the call computes
         # (None: every bucket, float weights only).
         self.buckets = buckets
+        self.max_rows = MAX_ROWS if buckets is None else GGUF_MAX_ROWS
 
     @classmethod
     def build(
@@ -92,7 +103,7 @@ class FusedDecode:
         return cls(plan, model.rotary_emb, kv_caches, num_threads, _gguf_buckets(model))
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        if meta.num_tokens > MAX_ROWS or kv_caches is not self.kv_caches:
+        if meta.num_tokens > self.max_rows or kv_caches is not self.kv_caches:
             return False
         # GGUF layers: the bucket they would choose by (a verification: its decode step's)
         rows = kernel_rows.rows or meta.num_tokens
@@ -220,7 +231,7 @@ def _layer_unsupported(
 
 
 def _gguf_buckets(model: Any) -> frozenset[int] | None:
-    """The row buckets (up to MAX_ROWS) where every GGUF projection of the layers
+    """The row buckets (up to GGUF_MAX_ROWS) where every GGUF projection of the layers
     runs what the fused call runs — the integer kernel on block parts, the float
     one on float parts — or None when no projection is GGUF."""
     gguf = [m for layer in model.layers for m in layer.modules() if isinstance(m, GGUFLinear)]
@@ -231,7 +242,7 @@ def _gguf_buckets(model: Any) -> frozenset[int] | None:
         kernel = layer.kernels[bucket]
         return kernel == "int" or (kernel == "float" and not set(layer.qtypes) & INT_TYPES)
 
-    buckets = range(bucket_index(MAX_ROWS) + 1)
+    buckets = range(bucket_index(GGUF_MAX_ROWS) + 1)
     return frozenset(b for b in buckets if all(fused_there(m, b) for m in gguf))
 
 
