@@ -218,34 +218,6 @@ mod omp {
 /// has no torch); skipped where there is none. Once it is loaded, the kernel
 /// tests that make their first multi-threaded call later take the OpenMP team
 /// too: both teams give the same results.
-/// The items cut into one contiguous share per thread, each with its own cursor
-/// (atomic: taking an item is one instruction, never a sleep in the kernel).
-struct Shares {
-    ends: Vec<usize>,
-    cursors: Vec<AtomicUsize>,
-}
-
-impl Shares {
-    fn new(num_items: usize, num_threads: usize) -> Shares {
-        let bound = |t: usize| num_items * t / num_threads;
-        Shares {
-            ends: (1..=num_threads).map(bound).collect(),
-            cursors: (0..num_threads)
-                .map(|t| AtomicUsize::new(bound(t)))
-                .collect(),
-        }
-    }
-
-    /// The next item for thread `me`: its own share's, then the others' in turn.
-    fn next(&self, me: usize) -> Option<usize> {
-        let n = self.ends.len();
-        (0..n).map(|i| (me + i) % n).find_map(|t| {
-            let idx = self.cursors[t].fetch_add(1, Ordering::Relaxed);
-            (idx < self.ends[t]).then_some(idx)
-        })
-    }
-}
-
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -327,4 +299,76 @@ pub(crate) fn run_items<F: Fn(usize, &mut Vec<f32>) + Sync>(
         }),
     }
     Ok(())
+}
+
+/// The items cut into one contiguous share per thread, each with its own cursor
+/// (atomic: taking an item is one instruction, never a sleep in the kernel).
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))] // the OpenMP team's only
+struct Shares {
+    ends: Vec<usize>,
+    cursors: Vec<AtomicUsize>,
+}
+
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+impl Shares {
+    fn new(num_items: usize, num_threads: usize) -> Shares {
+        let bound = |t: usize| num_items * t / num_threads;
+        Shares {
+            ends: (1..=num_threads).map(bound).collect(),
+            cursors: (0..num_threads)
+                .map(|t| AtomicUsize::new(bound(t)))
+                .collect(),
+        }
+    }
+
+    /// The next item for thread `me`: its own share's, then the others' in turn.
+    fn next(&self, me: usize) -> Option<usize> {
+        let n = self.ends.len();
+        (0..n).map(|i| (me + i) % n).find_map(|t| {
+            let idx = self.cursors[t].fetch_add(1, Ordering::Relaxed);
+            (idx < self.ends[t]).then_some(idx)
+        })
+    }
+}
+
+#[cfg(test)]
+mod share_tests {
+    use super::Shares;
+
+    #[test]
+    fn every_item_is_taken_once_each_thread_starting_on_its_own_share() {
+        for (items, threads) in [(0, 2), (1, 2), (5, 2), (36, 2), (37, 3), (7, 8)] {
+            let shares = Shares::new(items, threads);
+            let firsts: Vec<Option<usize>> = (0..threads).map(|me| shares.next(me)).collect();
+            for (t, first) in firsts.iter().enumerate() {
+                // (with fewer items than threads a thread without a share steals one
+                // before the next thread starts)
+                if items >= threads {
+                    let own = items * t / threads;
+                    assert_eq!(*first, Some(own), "thread {t} starts on its own share");
+                }
+            }
+            let mut taken: Vec<usize> = firsts.into_iter().flatten().collect();
+            // then thread 0 takes three items for each one of the others'
+            'all: loop {
+                for me in 0..threads {
+                    for _ in 0..if me == 0 { 3 } else { 1 } {
+                        let Some(idx) = shares.next(me) else {
+                            break 'all;
+                        };
+                        taken.push(idx);
+                    }
+                }
+            }
+            for me in 0..threads {
+                taken.extend(std::iter::from_fn(|| shares.next(me)));
+            }
+            taken.sort_unstable();
+            assert_eq!(
+                taken,
+                (0..items).collect::<Vec<_>>(),
+                "{items} items, {threads} threads"
+            );
+        }
+    }
 }
