@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,23 +100,30 @@ def test_fused_decode_gives_the_torch_paths_logits(model_dir: Path, dtype: str) 
     got, want = _generate(fused, PROMPTS, DECODES), _generate(plain, PROMPTS, DECODES)
     assert got.fused_calls == DECODES  # every decode step fused, the prefill not
     assert len(got.logits) == len(want.logits) == DECODES + 1
+    assert_same_logits(got, want, 1e-5 if dtype == "float32" else 0.02)
+
+
+def assert_same_logits(got: _Spy, want: _Spy, tol: float) -> None:
+    """The same greedy tokens at every step and logits within `tol`: rounding
+    points are the torch path's; exp and the square root may differ from torch's
+    vectorised ones in the last bit, which a bf16 value then shows as one unit in
+    the last place now and then."""
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
         assert torch.equal(a.argmax(-1), b.argmax(-1)), step
-        if dtype == "float32":
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:
-            # rounding points are the torch path's; exp and the square root may
-            # differ from torch's vectorised ones in the last bit, which a bf16
-            # value then shows as one unit in the last place now and then
-            torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def assert_row_alone_equals_batch(runner: Callable[[], ModelRunner], steps: int) -> None:
+    """The first prompt's logits have the same bits alone and beside the others."""
+    alone = _generate(runner(), PROMPTS[:1], steps)
+    batch = _generate(runner(), PROMPTS, steps)
+    assert alone.fused_calls == batch.fused_calls == steps
+    for a, b in zip(alone.logits, batch.logits, strict=True):
+        assert torch.equal(a[0], b[0])
 
 
 def test_a_row_gives_the_same_bits_alone_and_in_a_batch(model_dir: Path) -> None:
-    alone = _generate(_runner(model_dir, "float32", True), PROMPTS[:1], 6)
-    batch = _generate(_runner(model_dir, "float32", True), PROMPTS, 6)
-    assert alone.fused_calls == batch.fused_calls == 6
-    for a, b in zip(alone.logits, batch.logits, strict=True):
-        assert torch.equal(a[0], b[0])
+    assert_row_alone_equals_batch(lambda: _runner(model_dir, "float32", True), 6)
 
 
 def test_steps_beyond_the_fused_rows_take_the_torch_path(model_dir: Path) -> None:

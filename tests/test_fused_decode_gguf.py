@@ -9,8 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from test_fused_decode import PROMPTS, _generate
+from test_fused_decode import (
+    PROMPTS,
+    _generate,
+    assert_row_alone_equals_batch,
+    assert_same_logits,
+)
 
 from asyncllm import EngineArgs
 from asyncllm.gguf_files import prepare_gguf
@@ -45,20 +49,11 @@ def test_fused_gguf_decode_gives_the_torch_paths_logits(smollm2_gguf: Path, dtyp
     assert any(isinstance(m, GGUFLinear) for m in fused.model.layers.modules())
     got, want = _generate(fused, PROMPTS, DECODES), _generate(plain, PROMPTS, DECODES)
     assert got.fused_calls == DECODES
-    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), step
-        if dtype == "float32":
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        else:  # exp and sqrt may differ in a bf16 value's last bit (test_fused_decode)
-            torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    assert_same_logits(got, want, 1e-4 if dtype == "float32" else 0.05)
 
 
 def test_a_gguf_row_gives_the_same_bits_alone_and_in_a_batch(smollm2_gguf: Path) -> None:
-    alone = _generate(_runner(smollm2_gguf, "float32", True), PROMPTS[:1], 4)
-    batch = _generate(_runner(smollm2_gguf, "float32", True), PROMPTS, 4)
-    assert alone.fused_calls == batch.fused_calls == 4
-    for a, b in zip(alone.logits, batch.logits, strict=True):
-        assert torch.equal(a[0], b[0])
+    assert_row_alone_equals_batch(lambda: _runner(smollm2_gguf, "float32", True), 4)
 
 
 def test_layers_on_other_kernels_take_the_torch_path(smollm2_gguf: Path) -> None:

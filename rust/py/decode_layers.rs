@@ -159,10 +159,9 @@ impl ProjBuf {
                     .iter()
                     .map(|(t, b)| GgufPart {
                         t: *t,
-                        // SAFETY: a C-contiguous (checked in `get`), non-null
-                        // (`data_ptr`) byte buffer valid while held; no writers:
-                        // the caller's.
-                        blocks: unsafe { std::slice::from_raw_parts(data_ptr(b), b.item_count()) },
+                        // SAFETY: C-contiguous (checked in `get`); no writers: the
+                        // caller's (above).
+                        blocks: unsafe { super::gguf::bytes(b) },
                     })
                     .collect(),
             ),

@@ -18,8 +18,9 @@ fn qtype(name: &str) -> PyResult<GgufType> {
 ///
 /// SAFETY (for the caller): the slice lives as long as `buf` is held, and the
 /// caller must keep anything from writing the buffer meanwhile.
-unsafe fn bytes(buf: &PyBuffer<u8>) -> &[u8] {
-    // SAFETY: `buf` is C-contiguous (checked by `buffer`), non-null (`data_ptr`)
+pub(super) unsafe fn bytes(buf: &PyBuffer<u8>) -> &[u8] {
+    // SAFETY: `buf` is C-contiguous (checked by `buffer`, or by its other caller,
+    // `decode_layers::ProjBuf::get`), non-null (`data_ptr`)
     // and valid for reads of `item_count` bytes while held; the caller keeps
     // writers away (see above).
     unsafe { std::slice::from_raw_parts(data_ptr(buf), buf.item_count()) }

@@ -44,8 +44,9 @@ TILE_ELEMENTS = 1 << 22
 GGUF_KERNELS = ("int", "float", "tiles", "tiles_bf16")
 # The block types the integer kernel reads.
 INT_TYPES = frozenset(BLOCK_SIZES) - {"F32", "F16", "BF16"}
-# Up to this many rows the matrix-vector kernels (int, float) are candidates: they
-# do a dot product per weight row and x row, without a GEMM's blocking.
+# Up to this many rows the layers run the integer kernel (a dot product per weight
+# row and x row, the same bits for a row whatever rows share the step:
+# worker/gguf_select.py), and the fused decode step takes GGUF steps.
 FUSED_MAX_ROWS = 16
 # Without a measurement: int up to this many rows, then tiles.
 DEFAULT_INT_ROWS = 8
