@@ -2,15 +2,16 @@
 //! few rows of a decode step (as llama.cpp's CPU backend computes it).
 //!
 //! Each row of `x` is quantized to int8 per 16 elements (`Q8Rows`: a scale
-//! `dx = max|x| / 127` and `x_q = round(x / dx)`, with `dx · Σ x_q`); each weight block is unpacked to small integers `q` in registers
-//! (`gguf_int_blocks`) and `Σ q · x_q` runs on the CPU's integer dot-product
-//! instructions, then `scale · dx` multiplies it into eight f32 lanes, and the
-//! blocks' offsets meet the activation sums in a scalar. The weight is read once
-//! per call, as blocks; float weights never exist.
+//! `dx = max|x| / 127` and `x_q = round(x / dx)`, with `Σ x_q` and `dx · Σ x_q`);
+//! each weight block is unpacked to small integers `q` in registers
+//! (`gguf_int_blocks`), a panel of 8 or 16 weight rows at a time, and `Σ q · x_q`
+//! runs on the CPU's integer dot-product instructions with the rows in the lanes
+//! (`gguf_panel`). The weight is read once per call, as blocks; float weights
+//! never exist.
 //!
 //! Not equal to dequantize + fp32: `x` is rounded to int8, so each term carries
 //! an error of at most `|w_i| · dx / 2` (`tests_gguf_int.rs` checks the bound).
-//! Every ISA gives the same bits (see `gguf_simd`).
+//! Every ISA gives the same bits, and a row the same bits in any batch.
 //!
 //! `ASYNCLLM_KERNEL_ISA` caps the path: `portable`, `avx2` (`vpmaddubsw`),
 //! `avxvnni` (and `avx512`: AVX-VNNI is no AVX-512 extension), `avx512vnni`,
@@ -19,13 +20,14 @@
 use super::bf16::{isa_cap, IsaCap};
 use super::gguf::GgufType;
 use super::gguf_int_blocks::{IntBlock, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0, QK4};
+use super::gguf_panel::{Panel, Portable8};
 #[cfg(target_arch = "x86_64")]
-use super::gguf_simd::X86;
-use super::gguf_simd::{IntSimd, Portable};
+use super::gguf_panel::{Ymm, Zmm, AVX_VNNI, MADDUBS};
+use super::gguf_simd::IntSimd;
 use super::team;
 use super::KernelError;
 
-/// Output features per work item.
+/// Output features per work item (one or two panels).
 const ITEM_ROWS: usize = 16;
 
 /// The integer kernel's instruction sets, in order of preference.
@@ -98,7 +100,7 @@ impl QuantIsa {
             // SAFETY: `Avx512Vnni` is only constructed where the CPU has AVX2, FMA,
             // F16C, AVX512F, AVX512VL and AVX512-VNNI (`available`).
             QuantIsa::Avx512Vnni => unsafe { rows_avx512vnni::<B>(w, xq, store) },
-            _ => rows::<Portable, B>(w, xq, store),
+            _ => rows::<Portable8, B>(w, xq, store),
         }
     }
 }
@@ -111,19 +113,19 @@ pub fn gguf_int_isa() -> Result<&'static str, KernelError> {
 /// `x`'s rows quantized to int8 as llama.cpp's Q8 activations, but with a scale
 /// per 16 elements (half a block) instead of 32: it costs one multiply a block and
 /// an outlier then coarsens 16 neighbours, not 32 (on SmolLM2 the held-out
-/// perplexity moved 1.05 % from the float kernel's with scales per 32).
+/// perplexity moved 1.05 % from the float kernel's with scales per 32). Indexed by
+/// `row * blocks + block`.
 pub(super) struct Q8Rows {
     /// 32-blocks per row.
     blocks: usize,
     qs: Vec<i8>,
-    /// Each block's scales `dx` as the eight i32 lanes of a dot product see them:
-    /// the first half's in lanes 0..4, the second's in 4..8 (one vector load).
-    d: Vec<[f32; 8]>,
-    /// Each block's `dx · Σ x_q` over its first half (`[0]`), its second half and
-    /// whole, by block and then row (`[blocks][rows]`): the rows of a group are
-    /// adjacent, so a group's offsets are one vector multiply-add per block (row
-    /// by row they were a gather).
-    sums: [Vec<f32>; 3],
+    /// Each block's scales `dx`, by half.
+    dx: Vec<[f32; 2]>,
+    /// Each block's `Σ x_q` by half (for weights with an integer bias).
+    xs: Vec<[i32; 2]>,
+    /// Each block's `dx · Σ x_q` over its first half, its second half and whole
+    /// (for weights with a float offset).
+    sx: Vec<[f32; 3]>,
     rows: usize,
 }
 
@@ -131,20 +133,16 @@ impl Q8Rows {
     /// `x` holds rows of `k`, a multiple of 32.
     pub(super) fn new(k: usize, x: &[f32]) -> Q8Rows {
         let n = x.len() / 32;
-        let (blocks, m) = (k / 32, x.len() / k.max(1));
         let mut rows = Q8Rows {
-            blocks,
+            blocks: k / 32,
             qs: vec![0; x.len()],
-            d: Vec::with_capacity(n),
-            sums: [vec![0.0; n], vec![0.0; n], vec![0.0; n]],
-            rows: m,
+            dx: Vec::with_capacity(n),
+            xs: Vec::with_capacity(n),
+            sx: Vec::with_capacity(n),
+            rows: x.len() / k.max(1),
         };
-        for (i, (xb, qb)) in x
-            .chunks_exact(32)
-            .zip(rows.qs.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let (mut d, mut s) = ([0.0f32; 2], [0.0f32; 2]);
+        for (xb, qb) in x.chunks_exact(32).zip(rows.qs.chunks_exact_mut(32)) {
+            let (mut d, mut q, mut s) = ([0.0f32; 2], [0i32; 2], [0.0f32; 2]);
             for (h, (xh, qh)) in xb.chunks_exact(16).zip(qb.chunks_exact_mut(16)).enumerate() {
                 let amax = xh.iter().fold(0.0f32, |a, v| a.max(v.abs()));
                 // a NaN anywhere makes the scale NaN, so it reaches the output
@@ -154,13 +152,12 @@ impl Q8Rows {
                 for (q, v) in qh.iter_mut().zip(xh) {
                     *q = (v * id).round().clamp(-127.0, 127.0) as i8;
                 }
-                s[h] = d[h] * qh.iter().map(|&q| i32::from(q)).sum::<i32>() as f32;
+                q[h] = qh.iter().map(|&q| i32::from(q)).sum::<i32>();
+                s[h] = d[h] * q[h] as f32;
             }
-            rows.d.push(std::array::from_fn(|l| d[l / 4]));
-            let at = (i % blocks) * m + i / blocks;
-            for (sums, v) in rows.sums.iter_mut().zip([s[0], s[1], s[0] + s[1]]) {
-                sums[at] = v;
-            }
+            rows.dx.push(d);
+            rows.xs.push(q);
+            rows.sx.push([s[0], s[1], s[0] + s[1]]);
         }
         rows
     }
@@ -235,118 +232,201 @@ pub(super) fn run(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rows_avx2<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, f32)) {
-    rows::<X86<{ super::gguf_simd::MADDUBS }>, B>(w, xq, store)
+    rows::<Ymm<MADDUBS>, B>(w, xq, store)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
 fn rows_avxvnni<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, f32)) {
-    rows::<X86<{ super::gguf_simd::AVX_VNNI }>, B>(w, xq, store)
+    rows::<Ymm<AVX_VNNI>, B>(w, xq, store)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 fn rows_avx512vnni<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, f32)) {
-    rows::<X86<{ super::gguf_simd::AVX512_VNNI }>, B>(w, xq, store)
+    rows::<Zmm, B>(w, xq, store)
 }
 
-/// Every weight row of `w` against every row of `xq`: x rows in groups of up to
-/// 8 that share each unpacked weight block (a row's result does not depend on
-/// its group). Group by group over all of the item's weight rows: one group's
-/// activations (8 rows of k int8 values with their scales) stay in L1 while the
-/// item's few weight rows are read again from L1/L2 for the next group, where
-/// all rows of a many-row step at once overflow L1 (16 rows at k = 1536: 3x the
-/// time of 8, not 2x).
+/// Every weight row of `w` against every row of `xq`, a panel of `P::LANES`
+/// weight rows at a time (the last panel repeats its last row into the lanes it
+/// lacks, whose results are dropped), x rows in groups of up to 8 (a row's
+/// result does not depend on its group).
 #[inline(always)]
-fn rows<S: IntSimd, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, f32)) {
-    let m = xq.rows;
+fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, f32)) {
     let rb = xq.blocks / B::SUBS * B::BYTES;
-    let mut r = 0;
-    while r < m {
-        let size = match m - r {
-            8.. => 8,
-            4..=7 => 4,
-            2 | 3 => 2,
-            _ => 1,
-        };
-        for (j, row) in w.chunks_exact(rb).enumerate() {
-            let group: &[f32] = match size {
-                8 => &row_dots::<S, B, 8>(row, xq, r),
-                4 => &row_dots::<S, B, 4>(row, xq, r),
-                2 => &row_dots::<S, B, 2>(row, xq, r),
-                _ => &row_dots::<S, B, 1>(row, xq, r),
+    let n = w.len() / rb;
+    for first_row in (0..n).step_by(P::LANES) {
+        let lanes = P::LANES.min(n - first_row);
+        // input slot i holds the weight row that lands in lane slot(i)
+        let rows: [&[u8]; 16] = std::array::from_fn(|i| {
+            let j = first_row + P::slot(i % P::LANES).min(lanes - 1);
+            &w[j * rb..(j + 1) * rb]
+        });
+        let mut r = 0;
+        while r < xq.rows {
+            let size = match xq.rows - r {
+                8.. => 8,
+                4..=7 => 4,
+                2 | 3 => 2,
+                _ => 1,
             };
-            for (i, v) in group.iter().enumerate() {
-                store(r + i, j, *v);
+            let mut out = [[0.0f32; 16]; 8];
+            match size {
+                8 => panel::<P, B, 8>(&rows, xq, r, &mut out),
+                4 => panel::<P, B, 4>(&rows, xq, r, &mut out),
+                2 => panel::<P, B, 2>(&rows, xq, r, &mut out),
+                _ => panel::<P, B, 1>(&rows, xq, r, &mut out),
             }
+            for (i, row) in out[..size].iter().enumerate() {
+                for (j, v) in row[..lanes].iter().enumerate() {
+                    store(r + i, first_row + j, *v);
+                }
+            }
+            r += size;
         }
-        r += size;
     }
 }
 
-/// One weight row (`xq.blocks * 32` weights) dotted with rows `first..first + R`
-/// of `xq`.
+/// The panel of weight rows `rows` (lane order: `P::slot`) dotted with rows
+/// `first..first + R` of `xq`, into `out[..R][..P::LANES]`.
 #[inline(always)]
-fn row_dots<S: IntSimd, B: IntBlock, const R: usize>(
-    row: &[u8],
+fn panel<P: Panel, B: IntBlock, const R: usize>(
+    rows: &[&[u8]; 16],
     xq: &Q8Rows,
     first: usize,
-) -> [f32; R] {
+    out: &mut [[f32; 16]; 8],
+) {
     let nb = xq.blocks;
     assert!(
-        row.len() * B::SUBS == nb * B::BYTES,
-        "a row of whole blocks"
+        rows.iter().all(|w| w.len() * B::SUBS == nb * B::BYTES),
+        "rows of whole blocks"
     );
     assert!(
-        (first + R) * nb <= xq.d.len(),
+        (first + R) * nb <= xq.dx.len()
+            && xq.qs.len() == 32 * xq.dx.len()
+            && xq.xs.len() == xq.dx.len()
+            && xq.sx.len() == xq.dx.len(),
         "rows first..first + R of xq"
     );
-    let (qs, d) = (xq.qs.as_ptr(), xq.d.as_ptr());
-    let [lo, hi, all] = xq.sums.each_ref().map(|v| v.as_ptr());
-    let m = xq.rows;
-    assert!(
-        xq.sums.iter().all(|v| v.len() == m * nb) && first + R <= m,
-        "sums of every row's blocks"
-    );
-    // SAFETY: each block read lies in `row` (whole blocks: asserted); the
-    // activation block `at = (first + r) * nb + s` (r < R, s < nb) lies in `xq`
-    // (asserted), its 32 quants at `qs[32 * at..]`, its sums at `s * m + first +
-    // r` < nb * m in each of `sums` (asserted); the instructions of `S` are those
+    // one block of every row, unpacked: quants and scales by sub-block (scales
+    // and offsets in lane order, so one vector load each)
+    // SAFETY: `splat` runs on the instructions of `P::S` (see below)
+    let mut q = [[unsafe { <P::S as IntSimd>::splat(0) }; 16]; 8];
+    let mut scale = [[[0.0f32; 16]; 2]; 8];
+    let mut offset = [[[0.0f32; 16]; 2]; 8];
+    // SAFETY: each block read lies in its row (whole blocks: asserted); the
+    // activation block `at = (first + r) * nb + xb` (r < R, xb < nb) lies in `xq`
+    // (asserted), its 32 quants at `qs[32 * at..]`; the loads of `scale` and
+    // `offset` read `P::LANES` <= 16 f32 of 16; the instructions of `P` are those
     // of the wrapper this is inlined into (see `QuantIsa::rows`).
     unsafe {
-        let mut acc = [S::fzero(); R];
-        let mut off = [0.0f32; R];
-        for (bi, b) in row.chunks_exact(B::BYTES).enumerate() {
-            B::each::<S>(b.as_ptr(), |s, sub| {
+        let mut acc = [P::fzero(); R];
+        // the panel's rows in lane order (slot 0 is lane 0), for `B::panel`
+        let mut lane_rows = [rows[0].as_ptr(); 16];
+        for (i, w) in rows.iter().enumerate().take(P::LANES) {
+            lane_rows[P::slot(i)] = w.as_ptr();
+        }
+        for bi in 0..nb / B::SUBS {
+            if B::PANEL {
+                let (wv, sc, off) = B::panel::<P>(&lane_rows, bi * B::BYTES);
+                let wv = if B::SIGNED { signed::<P>(wv) } else { wv };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    *acc = sub_dot::<P, B>(*acc, &wv, [sc; 2], [off; 2], xq, (first + r) * nb + bi);
+                }
+                continue;
+            }
+            for (i, w) in rows.iter().enumerate().take(P::LANES) {
+                let lane = P::slot(i);
+                B::each::<P::S>(w.as_ptr().add(bi * B::BYTES), |s, sub| {
+                    q[s][i] = sub.q;
+                    scale[s][0][lane] = sub.scale[0];
+                    offset[s][0][lane] = sub.offset[0];
+                    if !B::UNIFORM {
+                        scale[s][1][lane] = sub.scale[1];
+                        offset[s][1][lane] = sub.offset[1];
+                    }
+                });
+            }
+            for s in 0..B::SUBS {
+                let wv = P::transpose(&q[s]);
+                let wv = if B::SIGNED { signed::<P>(wv) } else { wv };
+                let sc0 = P::loadf(scale[s][0].as_ptr());
+                let sc1 = if B::UNIFORM {
+                    sc0
+                } else {
+                    P::loadf(scale[s][1].as_ptr())
+                };
+                let off0 = P::loadf(offset[s][0].as_ptr());
+                let off1 = P::loadf(offset[s][1].as_ptr());
                 let xb = bi * B::SUBS + s;
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let at = (first + r) * nb + xb;
-                    let xv = S::load(qs.add(32 * at).cast());
-                    let lanes = if B::SIGNED {
-                        S::dot_ss(sub.q, xv)
-                    } else {
-                        S::dot_us(sub.q, xv)
-                    };
-                    let scale = S::mulf(sub.scale, S::loadf(d.add(at).cast()));
-                    *acc = S::acc(*acc, lanes, scale);
+                    *acc = sub_dot::<P, B>(*acc, &wv, [sc0, sc1], [off0, off1], xq, at);
                 }
-                if B::OFFSET {
-                    // the group's rows side by side: a vector load, not a gather
-                    let at = xb * m + first;
-                    for (r, off) in off.iter_mut().enumerate() {
-                        *off += if B::UNIFORM {
-                            sub.offset[0] * *all.add(at + r)
-                        } else {
-                            sub.offset[0] * *lo.add(at + r) + sub.offset[1] * *hi.add(at + r)
-                        };
-                    }
-                }
-            });
+            }
         }
-        std::array::from_fn(|r| {
-            let l = S::lanes(acc[r]);
-            (((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))) + off[r]
-        })
+        for (r, acc) in acc.into_iter().enumerate() {
+            P::store(acc, &mut out[r]);
+        }
+    }
+}
+
+/// Signed weights as `P::dot_s` takes them.
+#[inline(always)]
+unsafe fn signed<P: Panel>(mut wv: [P::V; 8]) -> [P::V; 8] {
+    for v in wv.iter_mut() {
+        // SAFETY: the caller runs on `P`'s instructions.
+        *v = unsafe { P::signed(*v) };
+    }
+    wv
+}
+
+/// `acc` plus one 32-element sub-block `wv` of the panel (scales and offsets by
+/// half) dotted with activation block `at` of `xq`.
+///
+/// SAFETY (for the caller): `at` < `xq`'s blocks, and `P`'s instructions run.
+#[inline(always)]
+unsafe fn sub_dot<P: Panel, B: IntBlock>(
+    acc: P::F,
+    wv: &[P::V; 8],
+    scale: [P::F; 2],
+    offset: [P::F; 2],
+    xq: &Q8Rows,
+    at: usize,
+) -> P::F {
+    // SAFETY: `qs` holds 32 bytes per block and the other vectors one entry.
+    unsafe {
+        let x = xq.qs.as_ptr().add(32 * at).cast::<i32>();
+        let (mut i0, mut i1) = (P::izero(), P::izero());
+        for j in 0..4 {
+            let (x0, x1) = (x.add(j).read_unaligned(), x.add(4 + j).read_unaligned());
+            if B::SIGNED {
+                i0 = P::dot_s(i0, wv[j], x0);
+                i1 = P::dot_s(i1, wv[4 + j], x1);
+            } else {
+                i0 = P::dot(i0, wv[j], x0);
+                i1 = P::dot(i1, wv[4 + j], x1);
+            }
+        }
+        let bias = B::BIAS + if B::SIGNED { P::SIGNED_BIAS } else { 0 };
+        if bias != 0 {
+            let xs = *xq.xs.get_unchecked(at);
+            i0 = P::isub(i0, bias * xs[0]);
+            i1 = P::isub(i1, bias * xs[1]);
+        }
+        let dx = *xq.dx.get_unchecked(at);
+        let mut acc = P::acc(acc, i0, scale[0], dx[0]);
+        acc = P::acc(acc, i1, scale[1], dx[1]);
+        if B::OFFSET {
+            let sx = *xq.sx.get_unchecked(at);
+            if B::UNIFORM {
+                acc = P::acc_off(acc, offset[0], sx[2]);
+            } else {
+                acc = P::acc_off(acc, offset[0], sx[0]);
+                acc = P::acc_off(acc, offset[1], sx[1]);
+            }
+        }
+        acc
     }
 }
 

@@ -1,18 +1,20 @@
 //! Each GGUF block type as the integer kernel sees it: per 32-element sub-block,
-//! 32 small integers `q` (unsigned; signed for Q8_0, Q4_0 and Q5_0), a float scale
-//! per 16-element half and an offset per half, so that the weights are
-//! `w = scale · q + offset` (Q4_1: `offset = m`; Q4_K: `-dmin · min_j`; ...).
-//! The kernel then needs `Σ q·x_q` (an integer dot product) and the activation
-//! block's `Σ x_q` (`gguf_int::Q8Rows`). The reference decoding is `gguf::decode_row`.
+//! 32 small integers `q` (unsigned, but signed for Q8_0), a float scale per
+//! 16-element half, an offset per half and an integer bias, so that the weights
+//! are `w = scale · (q - bias) + offset` (Q4_1: `offset = m`; Q4_K: `-dmin ·
+//! min_j`; Q4_0: `bias = 8`). The kernel then needs `Σ q·x_q` (an integer dot
+//! product), `bias · Σ x_q` (an exact integer) and the activation block's
+//! `dx · Σ x_q` (`gguf_int::Q8Rows`). The reference decoding is `gguf::decode_row`.
 
 use super::gguf::scale_min_k4;
+use super::gguf_panel::Panel;
 use super::gguf_simd::IntSimd;
 
-/// One sub-block of 32 weights: `w[i] = scale[l] · q[i] + offset[h]`, with `l = i
-/// / 4` the lane of a dot product that sums `q[i]` and `h = i / 16` the half.
+/// One sub-block of 32 weights: `w[i] = scale[h] · (q[i] - BIAS) + offset[h]`,
+/// with `h = i / 16` the half.
 pub(super) struct Sub<S: IntSimd> {
     pub q: S::Q,
-    pub scale: S::F,
+    pub scale: [f32; 2],
     pub offset: [f32; 2],
 }
 
@@ -21,25 +23,61 @@ pub(super) trait IntBlock {
     const BYTES: usize;
     /// 32-element sub-blocks per block.
     const SUBS: usize = 1;
-    /// Whether `q` is signed (Q8_0, Q4_0, Q5_0), else unsigned and at most 63.
+    /// Whether `q` is signed (Q8_0), else unsigned and at most 63.
     const SIGNED: bool = false;
+    /// Subtracted from every `q` (as `BIAS · Σ x_q`, in integers).
+    const BIAS: i32 = 0;
     /// Whether both halves share a scale and offset (all but Q6_K).
     const UNIFORM: bool = true;
-    /// Whether the offset is ever non-zero (all but Q8_0, Q4_0, Q5_0).
+    /// Whether the offset is ever non-zero (Q4_1, Q5_1, Q4_K, Q5_K).
     const OFFSET: bool = true;
     /// Calls `f(s, sub)` for each sub-block `s` of the block at `b`, in order.
     ///
     /// SAFETY (for the caller): `b` points at `BYTES` readable bytes, and the
     /// instructions of `S` are available.
     unsafe fn each<S: IntSimd>(b: *const u8, f: impl FnMut(usize, Sub<S>));
+    /// Whether `panel` is implemented (block types of one sub-block).
+    const PANEL: bool = false;
+    /// The block at `rows[l] + at` of each lane `l`, unpacked for a whole panel
+    /// at once (loads and shuffles, where `each` row by row costs a dozen
+    /// instructions a row): `[W_0..W_8]` as `Panel::transpose` gives them, the
+    /// scale and the offset.
+    ///
+    /// SAFETY (for the caller): each lane's block is `BYTES` readable bytes, and
+    /// the instructions of `P` are available.
+    #[allow(unused_variables)]
+    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+        unreachable!("no panel form")
+    }
 }
 
-/// A sub-block with one scale (in every lane) and offset.
+/// Sixteen quant bytes at `at` of each lane's block as 32 nibbles (lows, then
+/// highs), transposed.
 #[inline(always)]
-fn sub<S: IntSimd>(q: S::Q, scale: S::F, offset: f32) -> Sub<S> {
+unsafe fn nibble_panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> [P::V; 8] {
+    // SAFETY: the caller's blocks hold 16 bytes at `at`.
+    let raw = unsafe { P::words4(rows, at) };
+    // SAFETY: the caller runs on `P`'s instructions.
+    unsafe {
+        [
+            P::nibbles::<false>(raw[0]),
+            P::nibbles::<false>(raw[1]),
+            P::nibbles::<false>(raw[2]),
+            P::nibbles::<false>(raw[3]),
+            P::nibbles::<true>(raw[0]),
+            P::nibbles::<true>(raw[1]),
+            P::nibbles::<true>(raw[2]),
+            P::nibbles::<true>(raw[3]),
+        ]
+    }
+}
+
+/// A sub-block with one scale and offset.
+#[inline(always)]
+fn sub<S: IntSimd>(q: S::Q, scale: f32, offset: f32) -> Sub<S> {
     Sub {
         q,
-        scale,
+        scale: [scale; 2],
         offset: [offset; 2],
     }
 }
@@ -53,22 +91,37 @@ impl IntBlock for Q8_0 {
     unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         // SAFETY (every `each`): the reads lie within the block's `BYTES` (the
         // offsets below are those of llama.cpp's block layouts).
-        unsafe { f(0, sub(S::load(b.add(2)), S::halfv(b), 0.0)) }
+        unsafe { f(0, sub(S::load(b.add(2)), S::half(b), 0.0)) }
+    }
+    const PANEL: bool = true;
+    #[inline(always)]
+    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+        unsafe {
+            let [w0, w1, w2, w3] = P::words4(rows, at + 2);
+            let [w4, w5, w6, w7] = P::words4(rows, at + 18);
+            let d = P::halves::<false>(P::words4(rows, at)[0]);
+            ([w0, w1, w2, w3, w4, w5, w6, w7], d, P::fzero())
+        }
     }
 }
 
-/// The offset types with `w = d · (q - o)` (Q4_0, Q5_0) take `q - o` as signed
-/// integers: no float offset, and only the broadcast `d`.
+/// The types with `w = d · (q - o)` (Q4_0, Q5_0) keep `q` unsigned and subtract
+/// `o` in integers: no float offset.
 pub(super) struct Q4_0;
 impl IntBlock for Q4_0 {
     const BYTES: usize = 18;
-    const SIGNED: bool = true;
+    const BIAS: i32 = 8;
     const OFFSET: bool = false;
     #[inline(always)]
     unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
+        unsafe { f(0, sub(S::nibbles(b.add(2)), S::half(b), 0.0)) }
+    }
+    const PANEL: bool = true;
+    #[inline(always)]
+    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
         unsafe {
-            let q = S::sub8(S::nibbles(b.add(2)), S::splat(8));
-            f(0, sub(q, S::halfv(b), 0.0))
+            let d = P::halves::<false>(P::words4(rows, at)[0]);
+            (nibble_panel::<P>(rows, at + 2), d, P::fzero())
         }
     }
 }
@@ -78,21 +131,30 @@ impl IntBlock for Q4_1 {
     const BYTES: usize = 20;
     #[inline(always)]
     unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
-        unsafe { f(0, sub(S::nibbles(b.add(4)), S::halfv(b), S::half(b.add(2)))) }
+        unsafe { f(0, sub(S::nibbles(b.add(4)), S::half(b), S::half(b.add(2)))) }
+    }
+    const PANEL: bool = true;
+    #[inline(always)]
+    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+        unsafe {
+            let dm = P::words4(rows, at)[0];
+            let (d, m) = (P::halves::<false>(dm), P::halves::<true>(dm));
+            (nibble_panel::<P>(rows, at + 4), d, m)
+        }
     }
 }
 
 pub(super) struct Q5_0;
 impl IntBlock for Q5_0 {
     const BYTES: usize = 22;
-    const SIGNED: bool = true;
+    const BIAS: i32 = 16;
     const OFFSET: bool = false;
     #[inline(always)]
     unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
             let qh = b.add(2).cast::<u32>().read_unaligned();
             let q = S::or(S::nibbles(b.add(6)), S::bits(u32::from_le(qh), 0x10));
-            f(0, sub(S::sub8(q, S::splat(16)), S::halfv(b), 0.0))
+            f(0, sub(q, S::half(b), 0.0))
         }
     }
 }
@@ -105,7 +167,7 @@ impl IntBlock for Q5_1 {
         unsafe {
             let qh = b.add(4).cast::<u32>().read_unaligned();
             let q = S::or(S::nibbles(b.add(8)), S::bits(u32::from_le(qh), 0x10));
-            f(0, sub(q, S::halfv(b), S::half(b.add(2))))
+            f(0, sub(q, S::half(b), S::half(b.add(2))))
         }
     }
 }
@@ -138,8 +200,7 @@ impl<const FIFTH: bool> IntBlock for QK4<FIFTH> {
                         let set = S::eq(S::and(qh, bit), bit);
                         q = S::or(q, S::and(set, S::splat(0x10)));
                     }
-                    let scale = S::splatf(d * f32::from(sc[j]));
-                    f(j, sub(q, scale, -(dmin * f32::from(mn[j]))));
+                    f(j, sub(q, d * f32::from(sc[j]), -(dmin * f32::from(mn[j]))));
                 }
             }
         }
@@ -152,7 +213,9 @@ pub(super) struct Q6K;
 impl IntBlock for Q6K {
     const BYTES: usize = 210;
     const SUBS: usize = 8;
+    const BIAS: i32 = 32;
     const UNIFORM: bool = false;
+    const OFFSET: bool = false;
     #[inline(always)]
     unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
         unsafe {
@@ -174,8 +237,8 @@ impl IntBlock for Q6K {
                     s,
                     Sub {
                         q,
-                        scale: S::halves(scale[0], scale[1]),
-                        offset: scale.map(|v| -32.0 * v),
+                        scale,
+                        offset: [0.0; 2],
                     },
                 );
             }

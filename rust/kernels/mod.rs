@@ -17,6 +17,7 @@ mod gguf;
 mod gguf_int;
 mod gguf_int_blocks;
 mod gguf_linear;
+mod gguf_panel;
 mod gguf_simd;
 mod linear;
 #[cfg(target_arch = "x86_64")]

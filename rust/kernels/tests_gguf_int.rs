@@ -188,3 +188,26 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
     )
     .is_err());
 }
+
+#[test]
+fn a_row_has_the_same_bits_alone_and_in_any_batch() {
+    let (k, n) = (256, 21);
+    let mut rng = Rng(5);
+    for t in INT_TYPES {
+        let w = blocks(t, n, k, &mut rng);
+        let x = xs(13, k, &mut rng);
+        for isa in QuantIsa::available() {
+            let mut all = vec![0.0; 13 * n];
+            run(isa, t, (13, k), &x, &w, 2, &mut all).unwrap();
+            for (r, want) in all.chunks_exact(n).enumerate() {
+                let mut alone = vec![0.0; n];
+                run(isa, t, (1, k), &x[r * k..(r + 1) * k], &w, 1, &mut alone).unwrap();
+                let same = alone
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{t:?} {isa:?} row {r}");
+            }
+        }
+    }
+}
