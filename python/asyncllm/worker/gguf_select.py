@@ -66,8 +66,11 @@ def select_gguf_kernels(
 
 def measure(layer: GGUFLinear, dtype: torch.dtype) -> tuple[str, ...]:
     """Up to FUSED_MAX_ROWS rows the integer kernel (the float one for a layer of
-    float parts only), unmeasured; beyond, the fastest tiled kernel (ties to the
-    earlier of GGUF_KERNELS).
+    float parts only), unmeasured; beyond, the fastest of the integer kernel and
+    the tiled ones (ties to the earlier of GGUF_KERNELS: the integer kernel, whose
+    bits for a row do not depend on the step's other rows). With weight rows in
+    the lanes the integer kernel runs 64 rows at 3-4 G block-dots/s a thread, so a
+    prefill of a few short prompts keeps the bits of the decode steps.
 
     Why one kernel for every small bucket: a request's bits then do not change as
     other streams come and go, and a speculative verification gives its decode
@@ -85,7 +88,7 @@ def measure(layer: GGUFLinear, dtype: torch.dtype) -> tuple[str, ...]:
                 kernels.append(small)
                 continue
             x = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
-            names = [k for k in GGUF_KERNELS if k.startswith("tiles")]
+            names = [k for k in GGUF_KERNELS if k.startswith("tiles") or (k == "int" and has_int)]
             fns: dict[str, Callable[[], Any]] = {k: partial(layer.run, k, x) for k in names}
             times = best_times(fns)
             kernels.append(min(names, key=lambda k: times[k]))
