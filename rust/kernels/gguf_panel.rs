@@ -24,6 +24,9 @@ pub(super) trait Panel {
     /// `LANES` f32 lanes.
     type F: Copy;
     const LANES: usize;
+    /// The most activation rows sharing one unpacked panel: their accumulators,
+    /// the eight weight vectors and a few temporaries fit the registers.
+    const MAX_GROUP: usize;
     /// What `signed` adds to each weight, to be subtracted as `SIGNED_BIAS · Σ x_q`.
     const SIGNED_BIAS: i32;
     /// The lane that row `i` of `transpose`'s input lands in.
@@ -68,6 +71,7 @@ impl Panel for Portable8 {
     type V = [[u8; 4]; 8];
     type F = [f32; 8];
     const LANES: usize = 8;
+    const MAX_GROUP: usize = 8;
     const SIGNED_BIAS: i32 = 0;
     fn slot(i: usize) -> usize {
         i
@@ -177,6 +181,7 @@ mod x86 {
         type V = __m256i;
         type F = __m256;
         const LANES: usize = 8;
+        const MAX_GROUP: usize = 8;
         // `vpdpbusd` takes weights unsigned: signed ones get 128 added (their
         // top bit flipped); `vpmaddubsw` takes their sign off instead
         const SIGNED_BIAS: i32 = if DOT == MADDUBS { 0 } else { 128 };
@@ -366,6 +371,7 @@ mod x86 {
         type V = __m512i;
         type F = __m512;
         const LANES: usize = 16;
+        const MAX_GROUP: usize = 16;
         const SIGNED_BIAS: i32 = 128;
         fn slot(i: usize) -> usize {
             // see `transpose`: rows 0, 2, 4, 6 land in lanes 0..4, rows 1, 3, 5, 7

@@ -68,7 +68,7 @@ fn every_path_equals_portable_bit_for_bit() {
     let mut rng = Rng(7);
     for t in INT_TYPES {
         let w = blocks(t, n, k, &mut rng);
-        for m in [1, 3, 8, 11] {
+        for m in [1, 3, 8, 11, 16, 21] {
             let x = xs(m, k, &mut rng);
             let mut want = vec![0.0; m * n];
             run(QuantIsa::Portable, t, (m, k), &x, &w, 1, &mut want).unwrap();
@@ -195,10 +195,10 @@ fn a_row_has_the_same_bits_alone_and_in_any_batch() {
     let mut rng = Rng(5);
     for t in INT_TYPES {
         let w = blocks(t, n, k, &mut rng);
-        let x = xs(13, k, &mut rng);
+        let x = xs(19, k, &mut rng);
         for isa in QuantIsa::available() {
-            let mut all = vec![0.0; 13 * n];
-            run(isa, t, (13, k), &x, &w, 2, &mut all).unwrap();
+            let mut all = vec![0.0; 19 * n];
+            run(isa, t, (19, k), &x, &w, 2, &mut all).unwrap();
             for (r, want) in all.chunks_exact(n).enumerate() {
                 let mut alone = vec![0.0; n];
                 run(isa, t, (1, k), &x[r * k..(r + 1) * k], &w, 1, &mut alone).unwrap();
