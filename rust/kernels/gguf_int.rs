@@ -160,13 +160,32 @@ impl Q8Rows {
         for (xb, qb) in x.chunks_exact(32).zip(rows.qs.chunks_exact_mut(32)) {
             let (mut d, mut q, mut s) = ([0.0f32; 2], [0i32; 2], [0.0f32; 2]);
             for (h, (xh, qh)) in xb.chunks_exact(16).zip(qb.chunks_exact_mut(16)).enumerate() {
-                let amax = xh.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                // max |x| as the largest magnitude's bits (an integer max, which
+                // vectorizes); above infinity's bits it is a NaN
+                let top = xh
+                    .iter()
+                    .fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff));
                 // a NaN anywhere makes the scale NaN, so it reaches the output
-                let nan = xh.iter().fold(false, |a, v| a | v.is_nan());
-                d[h] = if nan { f32::NAN } else { amax / 127.0 };
+                let nan = top > f32::INFINITY.to_bits();
+                d[h] = if nan {
+                    f32::NAN
+                } else {
+                    f32::from_bits(top) / 127.0
+                };
                 let id = if d[h] > 0.0 { 1.0 / d[h] } else { 0.0 };
-                for (q, v) in qh.iter_mut().zip(xh) {
-                    *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                if d[h].is_finite() && id.is_finite() && d[h] > 0.0 {
+                    for (q, v) in qh.iter_mut().zip(xh) {
+                        let r = (v * id).round().clamp(-127.0, 127.0);
+                        // SAFETY: |v| <= max |x| = 127 d, so `r` is finite and
+                        // within [-127, 127] (clamped)
+                        *q = unsafe { r.to_int_unchecked::<i32>() } as i8;
+                    }
+                } else {
+                    // NaN, infinite or all-zero halves, and scales whose inverse
+                    // overflows: saturating conversions (NaN is 0)
+                    for (q, v) in qh.iter_mut().zip(xh) {
+                        *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                    }
                 }
                 q[h] = qh.iter().map(|&q| i32::from(q)).sum::<i32>();
                 s[h] = d[h] * q[h] as f32;
