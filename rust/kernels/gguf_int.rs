@@ -377,11 +377,13 @@ fn panel<P: Panel, B: IntBlock, const R: usize>(
         }
         for bi in 0..nb / B::SUBS {
             if B::PANEL {
-                let (wv, sc, off) = B::panel::<P>(&lane_rows, bi * B::BYTES);
-                let wv = if B::SIGNED { signed::<P>(wv) } else { wv };
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    *acc = sub_dot::<P, B>(*acc, &wv, [sc; 2], [off; 2], xq, (first + r) * nb + bi);
-                }
+                B::panel::<P>(&lane_rows, bi * B::BYTES, |s, wv, sc, off| {
+                    let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
+                    let xb = bi * B::SUBS + s;
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        *acc = sub_dot::<P, B>(*acc, &wv, sc, off, xq, (first + r) * nb + xb);
+                    }
+                });
                 continue;
             }
             for (i, w) in rows.iter().enumerate().take(P::LANES) {

@@ -36,17 +36,21 @@ pub(super) trait IntBlock {
     /// SAFETY (for the caller): `b` points at `BYTES` readable bytes, and the
     /// instructions of `S` are available.
     unsafe fn each<S: IntSimd>(b: *const u8, f: impl FnMut(usize, Sub<S>));
-    /// Whether `panel` is implemented (block types of one sub-block).
+    /// Whether `panel` is implemented.
     const PANEL: bool = false;
-    /// The block at `rows[l] + at` of each lane `l`, unpacked for a whole panel
-    /// at once (loads and shuffles, where `each` row by row costs a dozen
-    /// instructions a row): `[W_0..W_8]` as `Panel::transpose` gives them, the
-    /// scale and the offset.
+    /// Calls `f(s, w, scale, offset)` for each sub-block `s` of the blocks at
+    /// `rows[l] + at` (lane `l`), unpacked for the whole panel at once (loads and
+    /// shuffles, where `each` row by row costs a dozen instructions a row): `w`
+    /// as `Panel::transpose` gives it, scales and offsets by half.
     ///
     /// SAFETY (for the caller): each lane's block is `BYTES` readable bytes, and
     /// the instructions of `P` are available.
     #[allow(unused_variables)]
-    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
         unreachable!("no panel form")
     }
 }
@@ -95,12 +99,21 @@ impl IntBlock for Q8_0 {
     }
     const PANEL: bool = true;
     #[inline(always)]
-    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
         unsafe {
             let [w0, w1, w2, w3] = P::words4(rows, at + 2);
             let [w4, w5, w6, w7] = P::words4(rows, at + 18);
             let d = P::halves::<false>(P::words4(rows, at)[0]);
-            ([w0, w1, w2, w3, w4, w5, w6, w7], d, P::fzero())
+            f(
+                0,
+                &[w0, w1, w2, w3, w4, w5, w6, w7],
+                [d; 2],
+                [P::fzero(); 2],
+            )
         }
     }
 }
@@ -118,10 +131,14 @@ impl IntBlock for Q4_0 {
     }
     const PANEL: bool = true;
     #[inline(always)]
-    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
         unsafe {
             let d = P::halves::<false>(P::words4(rows, at)[0]);
-            (nibble_panel::<P>(rows, at + 2), d, P::fzero())
+            f(0, &nibble_panel::<P>(rows, at + 2), [d; 2], [P::fzero(); 2])
         }
     }
 }
@@ -135,11 +152,15 @@ impl IntBlock for Q4_1 {
     }
     const PANEL: bool = true;
     #[inline(always)]
-    unsafe fn panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> ([P::V; 8], P::F, P::F) {
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
         unsafe {
             let dm = P::words4(rows, at)[0];
             let (d, m) = (P::halves::<false>(dm), P::halves::<true>(dm));
-            (nibble_panel::<P>(rows, at + 4), d, m)
+            f(0, &nibble_panel::<P>(rows, at + 4), [d; 2], [m; 2])
         }
     }
 }
@@ -205,6 +226,60 @@ impl<const FIFTH: bool> IntBlock for QK4<FIFTH> {
             }
         }
     }
+    const PANEL: bool = true;
+    #[inline(always)]
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
+        unsafe {
+            // d and dmin, then the twelve bytes of 6-bit scales and mins
+            // (`gguf::scale_min_k4`, lane by lane)
+            let [dm, s0, s1, s2] = P::words4(rows, at);
+            let (d, dmin) = (P::halves::<false>(dm), P::halves::<true>(dm));
+            let qh = if FIFTH {
+                let [a0, a1, a2, a3] = P::words4(rows, at + 16);
+                let [a4, a5, a6, a7] = P::words4(rows, at + 32);
+                [a0, a1, a2, a3, a4, a5, a6, a7]
+            } else {
+                [P::izero(); 8]
+            };
+            for g in 0..4 {
+                let [r0, r1, r2, r3] = P::words4(rows, at + Self::BYTES - 128 + 32 * g);
+                let [r4, r5, r6, r7] = P::words4(rows, at + Self::BYTES - 112 + 32 * g);
+                let raw = [r0, r1, r2, r3, r4, r5, r6, r7];
+                for h in 0..2 {
+                    let j = 2 * g + h;
+                    let mut w = raw;
+                    for (t, w) in w.iter_mut().enumerate() {
+                        *w = if h == 0 {
+                            P::nibbles::<false>(*w)
+                        } else {
+                            P::nibbles::<true>(*w)
+                        };
+                        if FIFTH {
+                            let bit = P::field(qh[t], j as u32, 0x0101_0101);
+                            *w = P::or(*w, P::shl(bit, 4));
+                        }
+                    }
+                    let shift = 8 * (j as u32 % 4);
+                    let (sc, mn) = if j < 4 {
+                        (P::field(s0, shift, 63), P::field(s1, shift, 63))
+                    } else {
+                        let lo = P::field(s2, shift, 0x0f);
+                        let hi = P::shl(P::field(s0, shift + 6, 3), 4);
+                        let mlo = P::field(s2, shift + 4, 0x0f);
+                        let mhi = P::shl(P::field(s1, shift + 6, 3), 4);
+                        (P::or(lo, hi), P::or(mlo, mhi))
+                    };
+                    let scale = P::mulf(d, P::to_f32(sc));
+                    let offset = P::negf(P::mulf(dmin, P::to_f32(mn)));
+                    f(j, &w, [scale; 2], [offset; 2]);
+                }
+            }
+        }
+    }
 }
 
 /// Q6_K: 256 weights of 6 bits (4 low in `ql`, 2 high in `qh`), minus 32, in
@@ -241,6 +316,46 @@ impl IntBlock for Q6K {
                         offset: [0.0; 2],
                     },
                 );
+            }
+        }
+    }
+    const PANEL: bool = true;
+    #[inline(always)]
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
+        unsafe {
+            let scales = P::words4(rows, at + 192);
+            // bytes 206..210: `d` is the high half of the last word
+            let d = P::halves::<true>(P::words4(rows, at + 194)[3]);
+            for h in 0..2 {
+                let [q0, q1, q2, q3] = P::words4(rows, at + 128 + h * 32);
+                let [q4, q5, q6, q7] = P::words4(rows, at + 144 + h * 32);
+                let qh = [q0, q1, q2, q3, q4, q5, q6, q7];
+                for half in 0..2 {
+                    let [l0, l1, l2, l3] = P::words4(rows, at + h * 64 + half * 32);
+                    let [l4, l5, l6, l7] = P::words4(rows, at + h * 64 + half * 32 + 16);
+                    let low = [l0, l1, l2, l3, l4, l5, l6, l7];
+                    // quarters c = half (low nibbles) and c = half + 2 (high)
+                    for c in [half, half + 2] {
+                        let s = 4 * h + c;
+                        let mut w = low;
+                        for (t, w) in w.iter_mut().enumerate() {
+                            let l = if c < 2 {
+                                P::nibbles::<false>(*w)
+                            } else {
+                                P::nibbles::<true>(*w)
+                            };
+                            let high = P::field(qh[t], 2 * c as u32, 0x0303_0303);
+                            *w = P::or(l, P::shl(high, 4));
+                        }
+                        let scale = [2 * s, 2 * s + 1]
+                            .map(|g| P::mulf(d, P::to_f32(P::sbyte(scales[g / 4], g as u32 % 4))));
+                        f(s, &w, scale, [P::fzero(); 2]);
+                    }
+                }
             }
         }
     }

@@ -61,6 +61,17 @@ pub(super) trait Panel {
     unsafe fn halves<const HIGH: bool>(v: Self::V) -> Self::F;
     /// Each byte's low nibble (`HIGH` false) or high nibble.
     unsafe fn nibbles<const HIGH: bool>(v: Self::V) -> Self::V;
+    /// `(v >> shift) & mask` per 32-bit lane (a logical shift).
+    unsafe fn field(v: Self::V, shift: u32, mask: i32) -> Self::V;
+    /// `v << shift` per 32-bit lane.
+    unsafe fn shl(v: Self::V, shift: u32) -> Self::V;
+    unsafe fn or(a: Self::V, b: Self::V) -> Self::V;
+    /// Byte `byte` (0..4) of each lane as a signed integer.
+    unsafe fn sbyte(v: Self::V, byte: u32) -> Self::V;
+    /// Each lane as an integer converted to f32 (exact below 2^24).
+    unsafe fn to_f32(v: Self::V) -> Self::F;
+    unsafe fn mulf(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn negf(a: Self::F) -> Self::F;
 }
 
 /// Plain Rust, eight lanes: what a CPU without AVX2 runs, and the reference.
@@ -140,6 +151,34 @@ impl Panel for Portable8 {
     #[inline(always)]
     unsafe fn nibbles<const HIGH: bool>(v: [[u8; 4]; 8]) -> [[u8; 4]; 8] {
         v.map(|l| l.map(|b| if HIGH { b >> 4 } else { b & 0x0f }))
+    }
+    #[inline(always)]
+    unsafe fn field(v: [[u8; 4]; 8], shift: u32, mask: i32) -> [[u8; 4]; 8] {
+        v.map(|l| ((u32::from_le_bytes(l) >> shift) & mask as u32).to_le_bytes())
+    }
+    #[inline(always)]
+    unsafe fn shl(v: [[u8; 4]; 8], shift: u32) -> [[u8; 4]; 8] {
+        v.map(|l| (u32::from_le_bytes(l) << shift).to_le_bytes())
+    }
+    #[inline(always)]
+    unsafe fn or(a: [[u8; 4]; 8], b: [[u8; 4]; 8]) -> [[u8; 4]; 8] {
+        std::array::from_fn(|l| std::array::from_fn(|t| a[l][t] | b[l][t]))
+    }
+    #[inline(always)]
+    unsafe fn sbyte(v: [[u8; 4]; 8], byte: u32) -> [[u8; 4]; 8] {
+        v.map(|l| i32::from(l[byte as usize] as i8).to_le_bytes())
+    }
+    #[inline(always)]
+    unsafe fn to_f32(v: [[u8; 4]; 8]) -> [f32; 8] {
+        v.map(|l| i32::from_le_bytes(l) as f32)
+    }
+    #[inline(always)]
+    unsafe fn mulf(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| a[l] * b[l])
+    }
+    #[inline(always)]
+    unsafe fn negf(a: [f32; 8]) -> [f32; 8] {
+        a.map(|v| -v)
     }
 }
 
@@ -337,6 +376,40 @@ mod x86 {
                 _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
             }
         }
+        #[inline(always)]
+        unsafe fn field(v: __m256i, shift: u32, mask: i32) -> __m256i {
+            unsafe {
+                let v = _mm256_srl_epi32(v, _mm_cvtsi32_si128(shift as i32));
+                _mm256_and_si256(v, _mm256_set1_epi32(mask))
+            }
+        }
+        #[inline(always)]
+        unsafe fn shl(v: __m256i, shift: u32) -> __m256i {
+            unsafe { _mm256_sll_epi32(v, _mm_cvtsi32_si128(shift as i32)) }
+        }
+        #[inline(always)]
+        unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
+            unsafe { _mm256_or_si256(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn sbyte(v: __m256i, byte: u32) -> __m256i {
+            unsafe {
+                let v = _mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * byte as i32));
+                _mm256_srai_epi32::<24>(v)
+            }
+        }
+        #[inline(always)]
+        unsafe fn to_f32(v: __m256i) -> __m256 {
+            unsafe { _mm256_cvtepi32_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn mulf(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn negf(a: __m256) -> __m256 {
+            unsafe { _mm256_xor_ps(a, _mm256_set1_ps(-0.0)) }
+        }
     }
 
     /// Sixteen lanes of AVX-512 with AVX512-VNNI's `vpdpbusd`. Call only from code
@@ -476,6 +549,45 @@ mod x86 {
             unsafe {
                 let v = if HIGH { _mm512_srli_epi32::<4>(v) } else { v };
                 _mm512_and_si512(v, _mm512_set1_epi8(0x0f))
+            }
+        }
+        #[inline(always)]
+        unsafe fn field(v: __m512i, shift: u32, mask: i32) -> __m512i {
+            unsafe {
+                let v = _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift as i32));
+                _mm512_and_si512(v, _mm512_set1_epi32(mask))
+            }
+        }
+        #[inline(always)]
+        unsafe fn shl(v: __m512i, shift: u32) -> __m512i {
+            unsafe { _mm512_sll_epi32(v, _mm_cvtsi32_si128(shift as i32)) }
+        }
+        #[inline(always)]
+        unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
+            unsafe { _mm512_or_si512(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn sbyte(v: __m512i, byte: u32) -> __m512i {
+            unsafe {
+                let v = _mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * byte as i32));
+                _mm512_srai_epi32::<24>(v)
+            }
+        }
+        #[inline(always)]
+        unsafe fn to_f32(v: __m512i) -> __m512 {
+            unsafe { _mm512_cvtepi32_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn mulf(a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn negf(a: __m512) -> __m512 {
+            unsafe {
+                _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(a),
+                    _mm512_set1_epi32(i32::MIN),
+                ))
             }
         }
     }
