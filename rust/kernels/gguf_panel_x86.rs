@@ -1,0 +1,397 @@
+//! The x86 panels of the GGUF integer kernel (`gguf_panel`): eight lanes of AVX2
+//! (`vpmaddubsw` or AVX-VNNI's `vpdpbusd`) and sixteen of AVX-512 with
+//! AVX512-VNNI. The same operations as `gguf_panel::Portable8`, lane for lane.
+
+use std::arch::x86_64::*;
+
+use super::gguf_panel::Panel;
+use super::gguf_simd::X86;
+
+/// The dot product's instructions: AVX2 `vpmaddubsw` + `vpmaddwd`.
+pub(super) const MADDUBS: u8 = 0;
+/// AVX-VNNI's `vpdpbusd` (VEX).
+pub(super) const AVX_VNNI: u8 = 1;
+
+/// Eight lanes of 256-bit AVX2, the dot product by `DOT`. Call only from code
+/// compiled with AVX2, FMA and F16C, and AVX-VNNI for `AVX_VNNI`.
+pub(super) struct Ymm<const DOT: u8>;
+
+// SAFETY (all methods of both impls): run only inside the `gguf_int`
+// wrappers compiled with the features named above, on CPUs that have them;
+// `loadf` reads the lanes the caller guarantees readable.
+impl<const DOT: u8> Panel for Ymm<DOT> {
+    type S = X86;
+    type V = __m256i;
+    type F = __m256;
+    const LANES: usize = 8;
+    const MAX_GROUP: usize = 8;
+    // `vpdpbusd` takes weights unsigned: signed ones get 128 added (their
+    // top bit flipped); `vpmaddubsw` takes their sign off instead
+    const SIGNED_BIAS: i32 = if DOT == MADDUBS { 0 } else { 128 };
+    fn slot(i: usize) -> usize {
+        i
+    }
+    #[inline(always)]
+    unsafe fn transpose(rows: &[__m256i; 16]) -> [__m256i; 8] {
+        unsafe {
+            // an 8 x 8 transpose of 32-bit words: within 128-bit halves, then
+            // the halves across rows 0..4 and 4..8
+            let [a0, a1, a2, a3, a4, a5, a6, a7, ..] = *rows;
+            let (t0, t1) = (_mm256_unpacklo_epi32(a0, a1), _mm256_unpackhi_epi32(a0, a1));
+            let (t2, t3) = (_mm256_unpacklo_epi32(a2, a3), _mm256_unpackhi_epi32(a2, a3));
+            let (t4, t5) = (_mm256_unpacklo_epi32(a4, a5), _mm256_unpackhi_epi32(a4, a5));
+            let (t6, t7) = (_mm256_unpacklo_epi32(a6, a7), _mm256_unpackhi_epi32(a6, a7));
+            let lo = [
+                _mm256_unpacklo_epi64(t0, t2),
+                _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3),
+                _mm256_unpackhi_epi64(t1, t3),
+            ];
+            let hi = [
+                _mm256_unpacklo_epi64(t4, t6),
+                _mm256_unpackhi_epi64(t4, t6),
+                _mm256_unpacklo_epi64(t5, t7),
+                _mm256_unpackhi_epi64(t5, t7),
+            ];
+            [
+                _mm256_permute2x128_si256::<0x20>(lo[0], hi[0]),
+                _mm256_permute2x128_si256::<0x20>(lo[1], hi[1]),
+                _mm256_permute2x128_si256::<0x20>(lo[2], hi[2]),
+                _mm256_permute2x128_si256::<0x20>(lo[3], hi[3]),
+                _mm256_permute2x128_si256::<0x31>(lo[0], hi[0]),
+                _mm256_permute2x128_si256::<0x31>(lo[1], hi[1]),
+                _mm256_permute2x128_si256::<0x31>(lo[2], hi[2]),
+                _mm256_permute2x128_si256::<0x31>(lo[3], hi[3]),
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn signed(w: __m256i) -> __m256i {
+        unsafe {
+            if DOT == MADDUBS {
+                w
+            } else {
+                _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn izero() -> __m256i {
+        unsafe { _mm256_setzero_si256() }
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, w: __m256i, x: i32) -> __m256i {
+        unsafe {
+            let x = _mm256_set1_epi32(x);
+            if DOT == MADDUBS {
+                // unsigned weights are at most 63: 2 · 63 · 127 fits i16
+                let pairs = _mm256_maddubs_epi16(w, x);
+                _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            } else {
+                _mm256_dpbusd_avx_epi32(acc, w, x)
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_s(acc: __m256i, w: __m256i, x: i32) -> __m256i {
+        unsafe {
+            if DOT == MADDUBS {
+                // |w| (at most 128) times x with w's sign: 2 · 128 · 127 fits i16
+                let x = _mm256_sign_epi8(_mm256_set1_epi32(x), w);
+                let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), x);
+                _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+            } else {
+                Self::dot(acc, w, x)
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn isub(a: __m256i, b: i32) -> __m256i {
+        unsafe { _mm256_sub_epi32(a, _mm256_set1_epi32(b)) }
+    }
+    #[inline(always)]
+    unsafe fn fzero() -> __m256 {
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn loadf(p: *const f32) -> __m256 {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn acc(acc: __m256, i: __m256i, scale: __m256, dx: f32) -> __m256 {
+        unsafe {
+            let s = _mm256_mul_ps(scale, _mm256_set1_ps(dx));
+            _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(i), s))
+        }
+    }
+    #[inline(always)]
+    unsafe fn acc_off(acc: __m256, offset: __m256, sx: f32) -> __m256 {
+        unsafe { _mm256_add_ps(acc, _mm256_mul_ps(offset, _mm256_set1_ps(sx))) }
+    }
+    #[inline(always)]
+    unsafe fn store(v: __m256, out: &mut [f32; 16]) {
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) }
+    }
+    #[inline(always)]
+    unsafe fn words4(rows: &[*const u8; 16], at: usize) -> [__m256i; 4] {
+        unsafe {
+            // z(a) holds lanes a and 4 + a in its 128-bit halves; the 4 x 4
+            // transposes within the halves then put lane 4h + a in place
+            let z = |a: usize| {
+                let lo = _mm_loadu_si128(rows[a].add(at).cast());
+                let hi = _mm_loadu_si128(rows[4 + a].add(at).cast());
+                _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
+            };
+            let (z0, z1, z2, z3) = (z(0), z(1), z(2), z(3));
+            let (t0, t1) = (_mm256_unpacklo_epi32(z0, z1), _mm256_unpackhi_epi32(z0, z1));
+            let (t2, t3) = (_mm256_unpacklo_epi32(z2, z3), _mm256_unpackhi_epi32(z2, z3));
+            [
+                _mm256_unpacklo_epi64(t0, t2),
+                _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3),
+                _mm256_unpackhi_epi64(t1, t3),
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn halves<const HIGH: bool>(v: __m256i) -> __m256 {
+        unsafe {
+            // each lane's half to the low 8 bytes of its 128-bit lane, then
+            // the two 8-byte groups side by side
+            let pick = if HIGH {
+                _mm256_setr_epi8(
+                    2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11,
+                    14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                )
+            } else {
+                _mm256_setr_epi8(
+                    0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12,
+                    13, -1, -1, -1, -1, -1, -1, -1, -1,
+                )
+            };
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_shuffle_epi8(v, pick));
+            _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
+        }
+    }
+    #[inline(always)]
+    unsafe fn nibbles<const HIGH: bool>(v: __m256i) -> __m256i {
+        unsafe {
+            let v = if HIGH { _mm256_srli_epi32::<4>(v) } else { v };
+            _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
+        }
+    }
+    #[inline(always)]
+    unsafe fn field(v: __m256i, shift: u32, mask: i32) -> __m256i {
+        unsafe {
+            let v = _mm256_srl_epi32(v, _mm_cvtsi32_si128(shift as i32));
+            _mm256_and_si256(v, _mm256_set1_epi32(mask))
+        }
+    }
+    #[inline(always)]
+    unsafe fn shl(v: __m256i, shift: u32) -> __m256i {
+        unsafe { _mm256_sll_epi32(v, _mm_cvtsi32_si128(shift as i32)) }
+    }
+    #[inline(always)]
+    unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_or_si256(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sbyte(v: __m256i, byte: u32) -> __m256i {
+        unsafe {
+            let v = _mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * byte as i32));
+            _mm256_srai_epi32::<24>(v)
+        }
+    }
+    #[inline(always)]
+    unsafe fn to_f32(v: __m256i) -> __m256 {
+        unsafe { _mm256_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn mulf(a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn negf(a: __m256) -> __m256 {
+        unsafe { _mm256_xor_ps(a, _mm256_set1_ps(-0.0)) }
+    }
+}
+
+/// Sixteen lanes of AVX-512 with AVX512-VNNI's `vpdpbusd`. Call only from code
+/// compiled with AVX2, FMA, F16C, AVX512F and AVX512-VNNI.
+pub(super) struct Zmm;
+
+/// Two rows side by side.
+#[inline(always)]
+unsafe fn pair(a: __m256i, b: __m256i) -> __m512i {
+    unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b) }
+}
+
+/// Four pairs of rows with 32-bit words, then 64-bit pairs, interleaved within
+/// 128-bit lanes: result `j` holds word `j` of rows 0, 2, 4, 6 in lane 0,
+/// word `j + 4` of them in lane 1, and of rows 1, 3, 5, 7 in lanes 2 and 3.
+#[inline(always)]
+unsafe fn half(a0: __m512i, a1: __m512i, a2: __m512i, a3: __m512i) -> [__m512i; 4] {
+    unsafe {
+        let (t0, t1) = (_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+        let (t2, t3) = (_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+        [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ]
+    }
+}
+
+impl Panel for Zmm {
+    type S = X86;
+    type V = __m512i;
+    type F = __m512;
+    const LANES: usize = 16;
+    const MAX_GROUP: usize = 16;
+    const SIGNED_BIAS: i32 = 128;
+    fn slot(i: usize) -> usize {
+        // see `transpose`: rows 0, 2, 4, 6 land in lanes 0..4, rows 1, 3, 5, 7
+        // in 4..8, and rows 8..16 likewise in 8..16
+        (i & 8) | ((i & 1) << 2) | ((i & 7) >> 1)
+    }
+    #[inline(always)]
+    unsafe fn transpose(rows: &[__m256i; 16]) -> [__m512i; 8] {
+        unsafe {
+            // rows side by side in pairs, then 32-bit words and 64-bit pairs
+            // interleaved within 128-bit lanes, then those lanes gathered
+            // across the two halves (rows 0..8 and 8..16)
+            let [r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15] = *rows;
+            let u = half(pair(r0, r1), pair(r2, r3), pair(r4, r5), pair(r6, r7));
+            let v = half(pair(r8, r9), pair(r10, r11), pair(r12, r13), pair(r14, r15));
+            [
+                _mm512_shuffle_i32x4::<0x88>(u[0], v[0]),
+                _mm512_shuffle_i32x4::<0x88>(u[1], v[1]),
+                _mm512_shuffle_i32x4::<0x88>(u[2], v[2]),
+                _mm512_shuffle_i32x4::<0x88>(u[3], v[3]),
+                _mm512_shuffle_i32x4::<0xdd>(u[0], v[0]),
+                _mm512_shuffle_i32x4::<0xdd>(u[1], v[1]),
+                _mm512_shuffle_i32x4::<0xdd>(u[2], v[2]),
+                _mm512_shuffle_i32x4::<0xdd>(u[3], v[3]),
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn signed(w: __m512i) -> __m512i {
+        unsafe { _mm512_xor_si512(w, _mm512_set1_epi8(-128)) }
+    }
+    #[inline(always)]
+    unsafe fn izero() -> __m512i {
+        unsafe { _mm512_setzero_si512() }
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m512i, w: __m512i, x: i32) -> __m512i {
+        unsafe { _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)) }
+    }
+    #[inline(always)]
+    unsafe fn dot_s(acc: __m512i, w: __m512i, x: i32) -> __m512i {
+        unsafe { Self::dot(acc, w, x) }
+    }
+    #[inline(always)]
+    unsafe fn isub(a: __m512i, b: i32) -> __m512i {
+        unsafe { _mm512_sub_epi32(a, _mm512_set1_epi32(b)) }
+    }
+    #[inline(always)]
+    unsafe fn fzero() -> __m512 {
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn loadf(p: *const f32) -> __m512 {
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn acc(acc: __m512, i: __m512i, scale: __m512, dx: f32) -> __m512 {
+        unsafe {
+            let s = _mm512_mul_ps(scale, _mm512_set1_ps(dx));
+            _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(i), s))
+        }
+    }
+    #[inline(always)]
+    unsafe fn acc_off(acc: __m512, offset: __m512, sx: f32) -> __m512 {
+        unsafe { _mm512_add_ps(acc, _mm512_mul_ps(offset, _mm512_set1_ps(sx))) }
+    }
+    #[inline(always)]
+    unsafe fn store(v: __m512, out: &mut [f32; 16]) {
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) }
+    }
+    #[inline(always)]
+    unsafe fn words4(rows: &[*const u8; 16], at: usize) -> [__m512i; 4] {
+        unsafe {
+            // z[a] holds lanes a, 4 + a, 8 + a and 12 + a in its 128-bit
+            // lanes; the transposes within them put lane 4i + a in place
+            let z = |a: usize| {
+                let v = _mm512_castsi128_si512(_mm_loadu_si128(rows[a].add(at).cast()));
+                let v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(rows[4 + a].add(at).cast()));
+                let v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(rows[8 + a].add(at).cast()));
+                _mm512_inserti32x4::<3>(v, _mm_loadu_si128(rows[12 + a].add(at).cast()))
+            };
+            let (z0, z1, z2, z3) = (z(0), z(1), z(2), z(3));
+            let (t0, t1) = (_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
+            let (t2, t3) = (_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
+            [
+                _mm512_unpacklo_epi64(t0, t2),
+                _mm512_unpackhi_epi64(t0, t2),
+                _mm512_unpacklo_epi64(t1, t3),
+                _mm512_unpackhi_epi64(t1, t3),
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn halves<const HIGH: bool>(v: __m512i) -> __m512 {
+        unsafe {
+            let v = if HIGH { _mm512_srli_epi32::<16>(v) } else { v };
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
+        }
+    }
+    #[inline(always)]
+    unsafe fn nibbles<const HIGH: bool>(v: __m512i) -> __m512i {
+        unsafe {
+            let v = if HIGH { _mm512_srli_epi32::<4>(v) } else { v };
+            _mm512_and_si512(v, _mm512_set1_epi8(0x0f))
+        }
+    }
+    #[inline(always)]
+    unsafe fn field(v: __m512i, shift: u32, mask: i32) -> __m512i {
+        unsafe {
+            let v = _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift as i32));
+            _mm512_and_si512(v, _mm512_set1_epi32(mask))
+        }
+    }
+    #[inline(always)]
+    unsafe fn shl(v: __m512i, shift: u32) -> __m512i {
+        unsafe { _mm512_sll_epi32(v, _mm_cvtsi32_si128(shift as i32)) }
+    }
+    #[inline(always)]
+    unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
+        unsafe { _mm512_or_si512(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sbyte(v: __m512i, byte: u32) -> __m512i {
+        unsafe {
+            let v = _mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * byte as i32));
+            _mm512_srai_epi32::<24>(v)
+        }
+    }
+    #[inline(always)]
+    unsafe fn to_f32(v: __m512i) -> __m512 {
+        unsafe { _mm512_cvtepi32_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn mulf(a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    unsafe fn negf(a: __m512) -> __m512 {
+        unsafe {
+            _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(a),
+                _mm512_set1_epi32(i32::MIN),
+            ))
+        }
+    }
+}
