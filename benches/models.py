@@ -32,8 +32,9 @@ MODELS = {
         num_key_value_heads=4,
         intermediate_size=1536,
     ),
-    # A 1B-shaped Llama (TinyLlama's shape): hidden 2048, 16 layers, 32 heads (dim 64),
-    # 8 KV heads, intermediate 5632, vocab 32000; 1.1 B parameters (4.4 GB in fp32)
+    # A 1B-shaped Llama (TinyLlama's widths, 16 layers where it has 22): hidden 2048, 32
+    # heads (dim 64), 8 KV heads, intermediate 5632, vocab 32000; 0.85 B parameters
+    # (3.4 GB in fp32)
     "llama1b": dict(
         hidden_size=2048,
         num_hidden_layers=16,
