@@ -8,7 +8,7 @@ from them (W8A8 int8 with dynamic per-token inputs, W4A16 groups of 32; needs
 `pip install 'asyncllm[compressed-tensors]'`). Not by default, `--parts llama1b`:
 issue 28's model target, a random 1B-shaped Llama as GGUF Q8_0, Q4_0 (gguf-py) and
 Q4_K_M (llama.cpp's quantizer) against the same weights in bf16, tokens/s only
-(benches/quant_llama1b.py; 5 GB of files written on first use).
+(benches/quant_llama1b.py; 3.6 GB of files written on first use).
 
     python benches/bench_quant.py [--parts kernels smollm2 llama1b] [--kernel-rows 1 64]
         [--shapes 2048x5632 ...] [--types Q4_1 ...] [--one-thread] [--rounds 3]
