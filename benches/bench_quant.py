@@ -5,9 +5,12 @@ weights dequantized to a bf16 safetensors checkpoint, in the engine (`--parts
 smollm2`); and the other quantized encodings of those bf16 weights:
 `--quantization int8` / `int4` at load, and compressed-tensors checkpoints written
 from them (W8A8 int8 with dynamic per-token inputs, W4A16 groups of 32; needs
-`pip install 'asyncllm[compressed-tensors]'`).
+`pip install 'asyncllm[compressed-tensors]'`). Not by default, `--parts llama1b`:
+issue 28's model target, a random 1B-shaped Llama as GGUF Q8_0, Q4_0 (gguf-py) and
+Q4_K_M (llama.cpp's quantizer) against the same weights in bf16, tokens/s only
+(benches/quant_llama1b.py; 3.6 GB of files written on first use).
 
-    python benches/bench_quant.py [--parts kernels smollm2] [--kernel-rows 1 64]
+    python benches/bench_quant.py [--parts kernels smollm2 llama1b] [--kernel-rows 1 64]
         [--shapes 2048x5632 ...] [--types Q4_1 ...] [--one-thread] [--rounds 3]
         [--tokens 64] [--streams 64] [--quick]
         [--setups gguf,bf16,int8,int4,ct-w8a8,ct-w4a16]
@@ -24,7 +27,10 @@ Reported, for each SmolLM2 setup:
     `--rounds`, and the median of the per-round ratios to bf16.
 
 The issue's targets: RSS <= 1.3x the file size plus the KV cache; GGUF no slower than
-bf16 at batch 1 and 64 streams; load <= 3 s.
+bf16 at batch 1 and 64 streams; load <= 3 s. For llama1b (the same tokens/s rows,
+distinct 32-token prompts, the four engines alternating; `--quick`: a 2-layer model
+of hidden 256, only bf16 and Q4_K_M started): batch 1 >= 1.8x bf16 for Q8_0 and
+>= 3x for the 4-bit files, `--streams` >= 1.0x.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +58,7 @@ from compressed_checkpoint import write_compressed  # noqa: E402
 from fetch_smollm2 import fetch  # noqa: E402
 from models import QUICK_HELP  # noqa: E402
 from quant_kernels import SHAPES, TYPES, kernel_rows  # noqa: E402
+from quant_llama1b import FULL, QUICK, TARGETS, describe, write_models  # noqa: E402
 
 from asyncllm import LLM, SamplingParams, _core  # noqa: E402
 from asyncllm.gguf_files import prepare_gguf  # noqa: E402
@@ -142,8 +150,10 @@ def kv_bytes(folder: Path, num_blocks: int, itemsize: int) -> int:
     return int(num_blocks * BLOCK_SIZE * per_token)
 
 
-def decode_rates(llm: LLM, conversations: list[Any], tokens: int, streams: int) -> dict[str, float]:
-    """Output tokens/s: batch 1 and `streams` chats, greedy and sampled."""
+def decode_rates(llm: LLM, prompts: list[Any], tokens: int, streams: int) -> dict[str, float]:
+    """Output tokens/s: batch 1 and `streams` requests, greedy and sampled. `prompts`
+    are chats (lists of messages) or the engine's prompts ({"prompt_token_ids": ...})."""
+    submit = llm.chat if isinstance(prompts[0], list) else llm.generate
     rates = {}
     for kind in ("greedy", "sampled"):
         for n in (1, streams):
@@ -155,9 +165,9 @@ def decode_rates(llm: LLM, conversations: list[Any], tokens: int, streams: int) 
                 )
                 for i in range(n)
             ]
-            chats = [conversations[i % len(conversations)] for i in range(n)]
+            batch = [prompts[i % len(prompts)] for i in range(n)]
             t0 = time.perf_counter()
-            outs = llm.chat(chats, params, use_tqdm=False)
+            outs = submit(batch, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0
             rates[f"{kind} x{n}"] = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
     return rates
@@ -266,6 +276,8 @@ def main() -> None:
     if "smollm2" in args.parts:
         int_mm_table(1 if args.quick else 7)
         smollm2(args, names)
+    if "llama1b" in args.parts:
+        llama1b(args)
 
 
 def smollm2(args: argparse.Namespace, names: list[str]) -> None:
@@ -287,6 +299,51 @@ def smollm2(args: argparse.Namespace, names: list[str]) -> None:
     print_report(report, runs, path.stat().st_size / 2**20)
 
 
+def llama1b(args: argparse.Namespace) -> None:
+    """Issue 28's model target: a random 1B Llama as GGUF Q8_0, Q4_0 and Q4_K_M
+    against the same weights in bf16 (benches/quant_llama1b.py), tokens/s only."""
+    models = write_models(args.quick)
+    if args.quick:  # every file written, but one engine per writer: CI's time is short
+        models = {name: models[name] for name in ("bf16", "Q4_K_M")}
+    quantized = [name for name in models if name != "bf16"]
+    for name in quantized:
+        print(f"{models[name].name}: {describe(models[name])}", flush=True)
+    # a distinct prompt per stream (no shared prefix to cache), the same for every setup
+    rng = np.random.default_rng(0)
+    prompt_len = 8 if args.quick else 32
+    prompts = [
+        {"prompt_token_ids": [1, *rng.integers(3, 32000, prompt_len - 1).tolist()]}
+        for _ in range(args.streams)
+    ]
+    max_model_len = prompt_len + args.tokens
+    num_blocks = args.streams * -(-max_model_len // BLOCK_SIZE) + 8
+    engines = {
+        # GGUF engines in float32, as the smollm2 part runs them
+        name: LLM(
+            model=str(path),
+            dtype="bfloat16" if name == "bf16" else "float32",
+            num_kv_blocks=num_blocks,
+            max_model_len=max_model_len,
+        )
+        for name, path in models.items()
+    }
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            runs[name].append(decode_rates(llm, prompts, args.tokens, args.streams))
+    for llm in engines.values():
+        llm.shutdown()
+    one = ", ".join(f"{n} >= {TARGETS[n][0]}" for n in quantized)
+    many = ", ".join(f"{n} >= {TARGETS[n][1]}" for n in quantized)
+    targets = {
+        f"{kind} x{n}": one if n == 1 else many
+        for kind in ("greedy", "sampled")
+        for n in (1, args.streams)
+    }
+    print(f"\nrandom {QUICK if args.quick else FULL}, {prompt_len}-token prompts")
+    print_rates(runs, targets)
+
+
 def print_report(
     report: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, float]]], file_mib: float
 ) -> None:
@@ -302,10 +359,19 @@ def print_report(
             f"({r['load_rss_mib'] / file_mib:.2f}) | {r['startup_s']:.1f} | "
             f"{r['core_rss_mib']:.0f} | {r['kv_mib']:.0f} |"
         )
+    print_rates(runs)
+
+
+def print_rates(
+    runs: dict[str, list[dict[str, float]]], targets: dict[str, str] | None = None
+) -> None:
+    """The tokens/s table: per setup the median of its rounds and the median of its
+    per-round ratios to bf16; `targets`, a last column, by row key."""
     keys = list(runs["bf16"][0])
     others = [name for name in runs if name != "bf16"]
-    print("\n| tokens/s | bf16 | " + " | ".join(f"{n} (/ bf16)" for n in others) + " |")
-    print("|---|---:|" + "---:|" * len(others))
+    extra = ["target (/ bf16)"] if targets else []
+    print("\n| tokens/s | bf16 | " + " | ".join([f"{n} (/ bf16)" for n in others] + extra) + " |")
+    print("|---|---:|" + "---:|" * len(others) + "---|" * len(extra))
     for key in keys:
         base = [r[key] for r in runs["bf16"]]
         cells = []
@@ -313,6 +379,8 @@ def print_report(
             got = [r[key] for r in runs[name]]
             ratio = median(x / y for x, y in zip(got, base, strict=True))
             cells.append(f"{median(got):.1f} ({ratio:.2f})")
+        if targets:
+            cells.append(targets[key])
         print(f"| {key} | {median(base):.1f} | " + " | ".join(cells) + " |")
 
 

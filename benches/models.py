@@ -32,8 +32,9 @@ MODELS = {
         num_key_value_heads=4,
         intermediate_size=1536,
     ),
-    # A 1B-shaped Llama (TinyLlama's shape): hidden 2048, 16 layers, 32 heads (dim 64),
-    # 8 KV heads, intermediate 5632, vocab 32000; 1.1 B parameters (4.4 GB in fp32)
+    # A 1B-shaped Llama (TinyLlama's widths, 16 layers where it has 22): hidden 2048, 32
+    # heads (dim 64), 8 KV heads, intermediate 5632, vocab 32000; 0.85 B parameters
+    # (3.4 GB in fp32)
     "llama1b": dict(
         hidden_size=2048,
         num_hidden_layers=16,
@@ -41,6 +42,16 @@ MODELS = {
         head_dim=64,
         num_key_value_heads=8,
         intermediate_size=5632,
+    ),
+    # llama1b's --quick stand-in: hidden 256, 2 layers, 4 heads (dim 64), 2 KV heads,
+    # intermediate 512, vocab 32000 (its rows still whole Q4_K blocks of 256)
+    "llama1b-quick": dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=64,
+        num_key_value_heads=2,
+        intermediate_size=512,
     ),
     # Mixtral-style mixture of experts: hidden 256, 4 layers, 8 heads (dim 32), 4 KV
     # heads, 8 experts of intermediate 512 with 2 active per token, vocab 32000
@@ -61,9 +72,12 @@ MODELS = {
 QUICK_HELP = "the smallest settings, a few seconds: checks that it runs (CI); figures mean nothing"
 
 
-def build_model(name: str, root: str | Path, seed: int = 0) -> Path:
-    """Save a random-weight Llama with the llama-2 tokenizer under root/name (root
-    may be a str: bench_engine_overhead passes one through a child's command line)."""
+def build_model(
+    name: str, root: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Save a random-weight Llama with the llama-2 tokenizer under root/name, its
+    weights in `dtype` (root may be a str: bench_engine_overhead passes one through a
+    child's command line)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     tokenizer_dir = ASSETS / "tokenizers" / "llama-2"
@@ -86,7 +100,7 @@ def build_model(name: str, root: str | Path, seed: int = 0) -> Path:
         **settings,
     )
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = model_cls(config).to(dtype)  # type: ignore[arg-type]  # (transformers types .to oddly)
     # Written beside, then renamed: an interrupted build leaves no half model behind
     # that a later run would take for a finished one.
     out.parent.mkdir(parents=True, exist_ok=True)
