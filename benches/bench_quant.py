@@ -173,6 +173,20 @@ def decode_rates(llm: LLM, prompts: list[Any], tokens: int, streams: int) -> dic
     return rates
 
 
+def alternate_rates(
+    engines: dict[str, LLM], prompts: list[Any], args: argparse.Namespace
+) -> dict[str, list[dict[str, float]]]:
+    """`decode_rates` of every engine, round by round (the engines alternate, so a
+    noisy moment hits them all), then the engines shut down."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            runs[name].append(decode_rates(llm, prompts, args.tokens, args.streams))
+    for llm in engines.values():
+        llm.shutdown()
+    return runs
+
+
 def int_mm_table(reps: int = 7) -> None:
     """W8A8's integer product: `torch._int_mm` (int32 sums) against the float GEMM on
     the same integers as float32 (which QuantLinear would otherwise run), over
@@ -290,12 +304,7 @@ def smollm2(args: argparse.Namespace, names: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         setups = setups_for(names, path, folder, Path(tmp))
         report, engines = start_engines(setups, args.rounds, num_blocks)
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-        for _ in range(args.rounds):
-            for name, llm in engines.items():
-                runs[name].append(decode_rates(llm, conversations, args.tokens, args.streams))
-        for llm in engines.values():
-            llm.shutdown()
+        runs = alternate_rates(engines, conversations, args)
     print_report(report, runs, path.stat().st_size / 2**20)
 
 
@@ -327,12 +336,7 @@ def llama1b(args: argparse.Namespace) -> None:
         )
         for name, path in models.items()
     }
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, llm in engines.items():
-            runs[name].append(decode_rates(llm, prompts, args.tokens, args.streams))
-    for llm in engines.values():
-        llm.shutdown()
+    runs = alternate_rates(engines, prompts, args)
     one = ", ".join(f"{n} >= {TARGETS[n][0]}" for n in quantized)
     many = ", ".join(f"{n} >= {TARGETS[n][1]}" for n in quantized)
     targets = {
