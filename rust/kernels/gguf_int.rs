@@ -23,7 +23,6 @@ use super::gguf_int_blocks::{IntBlock, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0, QK4};
 use super::gguf_panel::{Panel, Portable8};
 #[cfg(target_arch = "x86_64")]
 use super::gguf_panel::{Ymm, Zmm, AVX_VNNI, MADDUBS};
-use super::gguf_simd::IntSimd;
 use super::team;
 use super::KernelError;
 
@@ -306,9 +305,9 @@ fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usiz
     let n = w.len() / rb;
     for first_row in (0..n).step_by(P::LANES) {
         let lanes = P::LANES.min(n - first_row);
-        // input slot i holds the weight row that lands in lane slot(i)
-        let rows: [&[u8]; 16] = std::array::from_fn(|i| {
-            let j = first_row + P::slot(i % P::LANES).min(lanes - 1);
+        // lane l holds weight row first_row + l (the last one repeated)
+        let rows: [&[u8]; 16] = std::array::from_fn(|l| {
+            let j = first_row + l.min(lanes - 1);
             &w[j * rb..(j + 1) * rb]
         });
         let mut r = 0;
@@ -336,7 +335,7 @@ fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usiz
     }
 }
 
-/// The panel of weight rows `rows` (lane order: `P::slot`) dotted with rows
+/// The panel of weight rows `rows` (one a lane) dotted with rows
 /// `first..first + R` of `xq`, into `out[..R][..P::LANES]`.
 #[inline(always)]
 fn panel<P: Panel, B: IntBlock, const R: usize>(
@@ -357,64 +356,21 @@ fn panel<P: Panel, B: IntBlock, const R: usize>(
             && xq.sx.len() == xq.dx.len(),
         "rows first..first + R of xq"
     );
-    // one block of every row, unpacked: quants and scales by sub-block (scales
-    // and offsets in lane order, so one vector load each)
-    // SAFETY: `splat` runs on the instructions of `P::S` (see below)
-    let mut q = [[unsafe { <P::S as IntSimd>::splat(0) }; 16]; 8];
-    let mut scale = [[[0.0f32; 16]; 2]; 8];
-    let mut offset = [[[0.0f32; 16]; 2]; 8];
     // SAFETY: each block read lies in its row (whole blocks: asserted); the
     // activation block `at = (first + r) * nb + xb` (r < R, xb < nb) lies in `xq`
-    // (asserted), its 32 quants at `qs[32 * at..]`; the loads of `scale` and
-    // `offset` read `P::LANES` <= 16 f32 of 16; the instructions of `P` are those
-    // of the wrapper this is inlined into (see `QuantIsa::rows`).
+    // (asserted); the instructions of `P` are those of the wrapper this is
+    // inlined into (see `QuantIsa::rows`).
     unsafe {
         let mut acc = [P::fzero(); R];
-        // the panel's rows in lane order (slot 0 is lane 0), for `B::panel`
-        let mut lane_rows = [rows[0].as_ptr(); 16];
-        for (i, w) in rows.iter().enumerate().take(P::LANES) {
-            lane_rows[P::slot(i)] = w.as_ptr();
-        }
+        let lane_rows = rows.map(|w| w.as_ptr());
         for bi in 0..nb / B::SUBS {
-            if B::PANEL {
-                B::panel::<P>(&lane_rows, bi * B::BYTES, |s, wv, sc, off| {
-                    let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
-                    let xb = bi * B::SUBS + s;
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        *acc = sub_dot::<P, B>(*acc, &wv, sc, off, xq, (first + r) * nb + xb);
-                    }
-                });
-                continue;
-            }
-            for (i, w) in rows.iter().enumerate().take(P::LANES) {
-                let lane = P::slot(i);
-                B::each::<P::S>(w.as_ptr().add(bi * B::BYTES), |s, sub| {
-                    q[s][i] = sub.q;
-                    scale[s][0][lane] = sub.scale[0];
-                    offset[s][0][lane] = sub.offset[0];
-                    if !B::UNIFORM {
-                        scale[s][1][lane] = sub.scale[1];
-                        offset[s][1][lane] = sub.offset[1];
-                    }
-                });
-            }
-            for s in 0..B::SUBS {
-                let wv = P::transpose(&q[s]);
-                let wv = if B::SIGNED { signed::<P>(wv) } else { wv };
-                let sc0 = P::loadf(scale[s][0].as_ptr());
-                let sc1 = if B::UNIFORM {
-                    sc0
-                } else {
-                    P::loadf(scale[s][1].as_ptr())
-                };
-                let off0 = P::loadf(offset[s][0].as_ptr());
-                let off1 = P::loadf(offset[s][1].as_ptr());
+            B::panel::<P>(&lane_rows, bi * B::BYTES, |s, wv, sc, off| {
+                let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
                 let xb = bi * B::SUBS + s;
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let at = (first + r) * nb + xb;
-                    *acc = sub_dot::<P, B>(*acc, &wv, [sc0, sc1], [off0, off1], xq, at);
+                    *acc = sub_dot::<P, B>(*acc, &wv, sc, off, xq, (first + r) * nb + xb);
                 }
-            }
+            });
         }
         for (r, acc) in acc.into_iter().enumerate() {
             P::store(acc, &mut out[r]);

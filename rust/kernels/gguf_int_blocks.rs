@@ -1,22 +1,13 @@
-//! Each GGUF block type as the integer kernel sees it: per 32-element sub-block,
-//! 32 small integers `q` (unsigned, but signed for Q8_0), a float scale per
-//! 16-element half, an offset per half and an integer bias, so that the weights
+//! Each GGUF block type as the integer kernel sees it, a panel of 8 or 16 weight
+//! rows at once: per 32-element sub-block, 32 small integers `q` (unsigned, but
+//! signed for Q8_0), a float scale per 16-element half, an offset per half and an
+//! integer bias, so that the weights
 //! are `w = scale · (q - bias) + offset` (Q4_1: `offset = m`; Q4_K: `-dmin ·
 //! min_j`; Q4_0: `bias = 8`). The kernel then needs `Σ q·x_q` (an integer dot
 //! product), `bias · Σ x_q` (an exact integer) and the activation block's
 //! `dx · Σ x_q` (`gguf_int::Q8Rows`). The reference decoding is `gguf::decode_row`.
 
-use super::gguf::scale_min_k4;
 use super::gguf_panel::Panel;
-use super::gguf_simd::IntSimd;
-
-/// One sub-block of 32 weights: `w[i] = scale[h] · (q[i] - BIAS) + offset[h]`,
-/// with `h = i / 16` the half.
-pub(super) struct Sub<S: IntSimd> {
-    pub q: S::Q,
-    pub scale: [f32; 2],
-    pub offset: [f32; 2],
-}
 
 pub(super) trait IntBlock {
     /// Bytes of one block.
@@ -31,28 +22,18 @@ pub(super) trait IntBlock {
     const UNIFORM: bool = true;
     /// Whether the offset is ever non-zero (Q4_1, Q5_1, Q4_K, Q5_K).
     const OFFSET: bool = true;
-    /// Calls `f(s, sub)` for each sub-block `s` of the block at `b`, in order.
-    ///
-    /// SAFETY (for the caller): `b` points at `BYTES` readable bytes, and the
-    /// instructions of `S` are available.
-    unsafe fn each<S: IntSimd>(b: *const u8, f: impl FnMut(usize, Sub<S>));
-    /// Whether `panel` is implemented.
-    const PANEL: bool = false;
     /// Calls `f(s, w, scale, offset)` for each sub-block `s` of the blocks at
-    /// `rows[l] + at` (lane `l`), unpacked for the whole panel at once (loads and
-    /// shuffles, where `each` row by row costs a dozen instructions a row): `w`
-    /// as `Panel::transpose` gives it, scales and offsets by half.
+    /// `rows[l] + at` (lane `l`), unpacked for the whole panel at once: `w[j]`
+    /// holds quants `4j..4j + 4` of each lane (as `Panel::words4` gives bytes),
+    /// then the scales and offsets by half: `w = scale · (q - BIAS) + offset`.
     ///
     /// SAFETY (for the caller): each lane's block is `BYTES` readable bytes, and
     /// the instructions of `P` are available.
-    #[allow(unused_variables)]
     unsafe fn panel<P: Panel>(
         rows: &[*const u8; 16],
         at: usize,
         f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
-    ) {
-        unreachable!("no panel form")
-    }
+    );
 }
 
 /// Sixteen quant bytes at `at` of each lane's block as 32 nibbles (lows, then
@@ -76,13 +57,19 @@ unsafe fn nibble_panel<P: Panel>(rows: &[*const u8; 16], at: usize) -> [P::V; 8]
     }
 }
 
-/// A sub-block with one scale and offset.
+/// The fifth bits `qh` of each lane (bit `i` for quant `i`) added to the nibbles
+/// `w` as 16 (Q5_0, Q5_1).
 #[inline(always)]
-fn sub<S: IntSimd>(q: S::Q, scale: f32, offset: f32) -> Sub<S> {
-    Sub {
-        q,
-        scale: [scale; 2],
-        offset: [offset; 2],
+unsafe fn fifth_bits<P: Panel>(w: &mut [P::V; 8], qh: P::V) {
+    for (t, w) in w.iter_mut().enumerate() {
+        // byte b of w[t] is quant 4t + b (the nibble panel's order)
+        for b in 0..4u32 {
+            // SAFETY: the caller runs on `P`'s instructions.
+            unsafe {
+                let bit = P::field(qh, 4 * t as u32 + b, 1);
+                *w = P::or(*w, P::shl(bit, 8 * b + 4));
+            }
+        }
     }
 }
 
@@ -91,13 +78,6 @@ impl IntBlock for Q8_0 {
     const BYTES: usize = 34;
     const SIGNED: bool = true;
     const OFFSET: bool = false;
-    #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
-        // SAFETY (every `each`): the reads lie within the block's `BYTES` (the
-        // offsets below are those of llama.cpp's block layouts).
-        unsafe { f(0, sub(S::load(b.add(2)), S::half(b), 0.0)) }
-    }
-    const PANEL: bool = true;
     #[inline(always)]
     unsafe fn panel<P: Panel>(
         rows: &[*const u8; 16],
@@ -126,11 +106,6 @@ impl IntBlock for Q4_0 {
     const BIAS: i32 = 8;
     const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
-        unsafe { f(0, sub(S::nibbles(b.add(2)), S::half(b), 0.0)) }
-    }
-    const PANEL: bool = true;
-    #[inline(always)]
     unsafe fn panel<P: Panel>(
         rows: &[*const u8; 16],
         at: usize,
@@ -146,11 +121,6 @@ impl IntBlock for Q4_0 {
 pub(super) struct Q4_1;
 impl IntBlock for Q4_1 {
     const BYTES: usize = 20;
-    #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
-        unsafe { f(0, sub(S::nibbles(b.add(4)), S::half(b), S::half(b.add(2)))) }
-    }
-    const PANEL: bool = true;
     #[inline(always)]
     unsafe fn panel<P: Panel>(
         rows: &[*const u8; 16],
@@ -171,11 +141,16 @@ impl IntBlock for Q5_0 {
     const BIAS: i32 = 16;
     const OFFSET: bool = false;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
         unsafe {
-            let qh = b.add(2).cast::<u32>().read_unaligned();
-            let q = S::or(S::nibbles(b.add(6)), S::bits(u32::from_le(qh), 0x10));
-            f(0, sub(q, S::half(b), 0.0))
+            let d = P::halves::<false>(P::words4(rows, at)[0]);
+            let mut w = nibble_panel::<P>(rows, at + 6);
+            fifth_bits::<P>(&mut w, P::words4(rows, at + 2)[0]);
+            f(0, &w, [d; 2], [P::fzero(); 2])
         }
     }
 }
@@ -184,11 +159,17 @@ pub(super) struct Q5_1;
 impl IntBlock for Q5_1 {
     const BYTES: usize = 24;
     #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
+    unsafe fn panel<P: Panel>(
+        rows: &[*const u8; 16],
+        at: usize,
+        mut f: impl FnMut(usize, &[P::V; 8], [P::F; 2], [P::F; 2]),
+    ) {
         unsafe {
-            let qh = b.add(4).cast::<u32>().read_unaligned();
-            let q = S::or(S::nibbles(b.add(8)), S::bits(u32::from_le(qh), 0x10));
-            f(0, sub(q, S::half(b), S::half(b.add(2))))
+            let dm = P::words4(rows, at)[0];
+            let (d, m) = (P::halves::<false>(dm), P::halves::<true>(dm));
+            let mut w = nibble_panel::<P>(rows, at + 8);
+            fifth_bits::<P>(&mut w, P::words4(rows, at + 4)[0]);
+            f(0, &w, [d; 2], [m; 2])
         }
     }
 }
@@ -199,34 +180,6 @@ pub(super) struct QK4<const FIFTH: bool>;
 impl<const FIFTH: bool> IntBlock for QK4<FIFTH> {
     const BYTES: usize = if FIFTH { 176 } else { 144 };
     const SUBS: usize = 8;
-    #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
-        unsafe {
-            let (d, dmin) = (S::half(b), S::half(b.add(2)));
-            let (sc, mn) = scale_min_k4(&*b.add(4).cast::<[u8; 12]>());
-            let qs = b.add(Self::BYTES - 128);
-            let qh = if FIFTH {
-                S::load(b.add(16))
-            } else {
-                S::splat(0)
-            };
-            let low4 = S::splat(0x0f);
-            for g in 0..4 {
-                let v = S::load(qs.add(32 * g));
-                let halves = [S::and(v, low4), S::and(S::srl16(v, 4), low4)];
-                for (h, mut q) in halves.into_iter().enumerate() {
-                    let j = 2 * g + h;
-                    if FIFTH {
-                        let bit = S::splat(1 << j);
-                        let set = S::eq(S::and(qh, bit), bit);
-                        q = S::or(q, S::and(set, S::splat(0x10)));
-                    }
-                    f(j, sub(q, d * f32::from(sc[j]), -(dmin * f32::from(mn[j]))));
-                }
-            }
-        }
-    }
-    const PANEL: bool = true;
     #[inline(always)]
     unsafe fn panel<P: Panel>(
         rows: &[*const u8; 16],
@@ -291,35 +244,6 @@ impl IntBlock for Q6K {
     const BIAS: i32 = 32;
     const UNIFORM: bool = false;
     const OFFSET: bool = false;
-    #[inline(always)]
-    unsafe fn each<S: IntSimd>(b: *const u8, mut f: impl FnMut(usize, Sub<S>)) {
-        unsafe {
-            let d = S::half(b.add(208));
-            let scales = &*b.add(192).cast::<[u8; 16]>();
-            let low4 = S::splat(0x0f);
-            for s in 0..8 {
-                // elements 32s.. are, in their 128-half h, the quarter c
-                let (h, c) = (s / 4, s % 4);
-                let l = S::load(b.add(h * 64 + (c % 2) * 32));
-                let low = S::and(if c < 2 { l } else { S::srl16(l, 4) }, low4);
-                let high = S::and(
-                    S::srl16(S::load(b.add(128 + h * 32)), 2 * c as u32),
-                    S::splat(3),
-                );
-                let q = S::or(low, S::sll16_4(high));
-                let scale = [2 * s, 2 * s + 1].map(|g| d * f32::from(scales[g] as i8));
-                f(
-                    s,
-                    Sub {
-                        q,
-                        scale,
-                        offset: [0.0; 2],
-                    },
-                );
-            }
-        }
-    }
-    const PANEL: bool = true;
     #[inline(always)]
     unsafe fn panel<P: Panel>(
         rows: &[*const u8; 16],

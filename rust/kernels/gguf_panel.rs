@@ -13,12 +13,8 @@
 //! block's eight partial sums to combine per row, six vector instructions per
 //! block and row; here it is about one per block and row at 16 rows.
 
-use super::gguf_simd::IntSimd;
-
 /// What `gguf_int` computes a panel with.
 pub(super) trait Panel {
-    /// The per-row unpacking operations.
-    type S: IntSimd;
     /// `LANES` lanes of 32 bits: four quant bytes, or an i32 sum.
     type V: Copy;
     /// `LANES` f32 lanes.
@@ -29,11 +25,6 @@ pub(super) trait Panel {
     const MAX_GROUP: usize;
     /// What `signed` adds to each weight, to be subtracted as `SIGNED_BIAS · Σ x_q`.
     const SIGNED_BIAS: i32;
-    /// The lane that row `i` of `transpose`'s input lands in.
-    fn slot(i: usize) -> usize;
-    /// `rows[i]` (`i < LANES`): 32 quant bytes of a weight row; vector `j` of the
-    /// result holds bytes `4j..4j + 4` of row `i` in lane `slot(i)`.
-    unsafe fn transpose(rows: &[<Self::S as IntSimd>::Q; 16]) -> [Self::V; 8];
     /// Signed weights as `dot_s` takes them.
     unsafe fn signed(w: Self::V) -> Self::V;
     unsafe fn izero() -> Self::V;
@@ -46,8 +37,6 @@ pub(super) trait Panel {
     /// `a - b` per lane.
     unsafe fn isub(a: Self::V, b: i32) -> Self::V;
     unsafe fn fzero() -> Self::F;
-    /// `LANES` f32 from `p`.
-    unsafe fn loadf(p: *const f32) -> Self::F;
     /// `acc + f32(i) · (scale · dx)`, each step rounded.
     unsafe fn acc(acc: Self::F, i: Self::V, scale: Self::F, dx: f32) -> Self::F;
     /// `acc + offset · sx`, each step rounded.
@@ -78,21 +67,11 @@ pub(super) trait Panel {
 pub(super) struct Portable8;
 
 impl Panel for Portable8 {
-    type S = super::gguf_simd::Portable;
     type V = [[u8; 4]; 8];
     type F = [f32; 8];
     const LANES: usize = 8;
     const MAX_GROUP: usize = 8;
     const SIGNED_BIAS: i32 = 0;
-    fn slot(i: usize) -> usize {
-        i
-    }
-    #[inline(always)]
-    unsafe fn transpose(rows: &[[u8; 32]; 16]) -> [[[u8; 4]; 8]; 8] {
-        std::array::from_fn(|j| {
-            std::array::from_fn(|i| std::array::from_fn(|t| rows[i][4 * j + t]))
-        })
-    }
     #[inline(always)]
     unsafe fn signed(w: [[u8; 4]; 8]) -> [[u8; 4]; 8] {
         w
@@ -116,11 +95,6 @@ impl Panel for Portable8 {
     #[inline(always)]
     unsafe fn fzero() -> [f32; 8] {
         [0.0; 8]
-    }
-    #[inline(always)]
-    unsafe fn loadf(p: *const f32) -> [f32; 8] {
-        // SAFETY: the caller's `p` points at eight readable f32.
-        unsafe { p.cast::<[f32; 8]>().read_unaligned() }
     }
     #[inline(always)]
     unsafe fn acc(acc: [f32; 8], i: [[u8; 4]; 8], scale: [f32; 8], dx: f32) -> [f32; 8] {

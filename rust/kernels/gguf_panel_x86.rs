@@ -5,7 +5,6 @@
 use std::arch::x86_64::*;
 
 use super::gguf_panel::Panel;
-use super::gguf_simd::X86;
 
 /// The dot product's instructions: AVX2 `vpmaddubsw` + `vpmaddwd`.
 pub(super) const MADDUBS: u8 = 0;
@@ -20,7 +19,6 @@ pub(super) struct Ymm<const DOT: u8>;
 // wrappers compiled with the features named above, on CPUs that have them;
 // `loadf` reads the lanes the caller guarantees readable.
 impl<const DOT: u8> Panel for Ymm<DOT> {
-    type S = X86;
     type V = __m256i;
     type F = __m256;
     const LANES: usize = 8;
@@ -28,43 +26,6 @@ impl<const DOT: u8> Panel for Ymm<DOT> {
     // `vpdpbusd` takes weights unsigned: signed ones get 128 added (their
     // top bit flipped); `vpmaddubsw` takes their sign off instead
     const SIGNED_BIAS: i32 = if DOT == MADDUBS { 0 } else { 128 };
-    fn slot(i: usize) -> usize {
-        i
-    }
-    #[inline(always)]
-    unsafe fn transpose(rows: &[__m256i; 16]) -> [__m256i; 8] {
-        unsafe {
-            // an 8 x 8 transpose of 32-bit words: within 128-bit halves, then
-            // the halves across rows 0..4 and 4..8
-            let [a0, a1, a2, a3, a4, a5, a6, a7, ..] = *rows;
-            let (t0, t1) = (_mm256_unpacklo_epi32(a0, a1), _mm256_unpackhi_epi32(a0, a1));
-            let (t2, t3) = (_mm256_unpacklo_epi32(a2, a3), _mm256_unpackhi_epi32(a2, a3));
-            let (t4, t5) = (_mm256_unpacklo_epi32(a4, a5), _mm256_unpackhi_epi32(a4, a5));
-            let (t6, t7) = (_mm256_unpacklo_epi32(a6, a7), _mm256_unpackhi_epi32(a6, a7));
-            let lo = [
-                _mm256_unpacklo_epi64(t0, t2),
-                _mm256_unpackhi_epi64(t0, t2),
-                _mm256_unpacklo_epi64(t1, t3),
-                _mm256_unpackhi_epi64(t1, t3),
-            ];
-            let hi = [
-                _mm256_unpacklo_epi64(t4, t6),
-                _mm256_unpackhi_epi64(t4, t6),
-                _mm256_unpacklo_epi64(t5, t7),
-                _mm256_unpackhi_epi64(t5, t7),
-            ];
-            [
-                _mm256_permute2x128_si256::<0x20>(lo[0], hi[0]),
-                _mm256_permute2x128_si256::<0x20>(lo[1], hi[1]),
-                _mm256_permute2x128_si256::<0x20>(lo[2], hi[2]),
-                _mm256_permute2x128_si256::<0x20>(lo[3], hi[3]),
-                _mm256_permute2x128_si256::<0x31>(lo[0], hi[0]),
-                _mm256_permute2x128_si256::<0x31>(lo[1], hi[1]),
-                _mm256_permute2x128_si256::<0x31>(lo[2], hi[2]),
-                _mm256_permute2x128_si256::<0x31>(lo[3], hi[3]),
-            ]
-        }
-    }
     #[inline(always)]
     unsafe fn signed(w: __m256i) -> __m256i {
         unsafe {
@@ -112,10 +73,6 @@ impl<const DOT: u8> Panel for Ymm<DOT> {
     #[inline(always)]
     unsafe fn fzero() -> __m256 {
         unsafe { _mm256_setzero_ps() }
-    }
-    #[inline(always)]
-    unsafe fn loadf(p: *const f32) -> __m256 {
-        unsafe { _mm256_loadu_ps(p) }
     }
     #[inline(always)]
     unsafe fn acc(acc: __m256, i: __m256i, scale: __m256, dx: f32) -> __m256 {
@@ -220,62 +177,12 @@ impl<const DOT: u8> Panel for Ymm<DOT> {
 /// compiled with AVX2, FMA, F16C, AVX512F and AVX512-VNNI.
 pub(super) struct Zmm;
 
-/// Two rows side by side.
-#[inline(always)]
-unsafe fn pair(a: __m256i, b: __m256i) -> __m512i {
-    unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b) }
-}
-
-/// Four pairs of rows with 32-bit words, then 64-bit pairs, interleaved within
-/// 128-bit lanes: result `j` holds word `j` of rows 0, 2, 4, 6 in lane 0,
-/// word `j + 4` of them in lane 1, and of rows 1, 3, 5, 7 in lanes 2 and 3.
-#[inline(always)]
-unsafe fn half(a0: __m512i, a1: __m512i, a2: __m512i, a3: __m512i) -> [__m512i; 4] {
-    unsafe {
-        let (t0, t1) = (_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-        let (t2, t3) = (_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-        [
-            _mm512_unpacklo_epi64(t0, t2),
-            _mm512_unpackhi_epi64(t0, t2),
-            _mm512_unpacklo_epi64(t1, t3),
-            _mm512_unpackhi_epi64(t1, t3),
-        ]
-    }
-}
-
 impl Panel for Zmm {
-    type S = X86;
     type V = __m512i;
     type F = __m512;
     const LANES: usize = 16;
     const MAX_GROUP: usize = 16;
     const SIGNED_BIAS: i32 = 128;
-    fn slot(i: usize) -> usize {
-        // see `transpose`: rows 0, 2, 4, 6 land in lanes 0..4, rows 1, 3, 5, 7
-        // in 4..8, and rows 8..16 likewise in 8..16
-        (i & 8) | ((i & 1) << 2) | ((i & 7) >> 1)
-    }
-    #[inline(always)]
-    unsafe fn transpose(rows: &[__m256i; 16]) -> [__m512i; 8] {
-        unsafe {
-            // rows side by side in pairs, then 32-bit words and 64-bit pairs
-            // interleaved within 128-bit lanes, then those lanes gathered
-            // across the two halves (rows 0..8 and 8..16)
-            let [r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15] = *rows;
-            let u = half(pair(r0, r1), pair(r2, r3), pair(r4, r5), pair(r6, r7));
-            let v = half(pair(r8, r9), pair(r10, r11), pair(r12, r13), pair(r14, r15));
-            [
-                _mm512_shuffle_i32x4::<0x88>(u[0], v[0]),
-                _mm512_shuffle_i32x4::<0x88>(u[1], v[1]),
-                _mm512_shuffle_i32x4::<0x88>(u[2], v[2]),
-                _mm512_shuffle_i32x4::<0x88>(u[3], v[3]),
-                _mm512_shuffle_i32x4::<0xdd>(u[0], v[0]),
-                _mm512_shuffle_i32x4::<0xdd>(u[1], v[1]),
-                _mm512_shuffle_i32x4::<0xdd>(u[2], v[2]),
-                _mm512_shuffle_i32x4::<0xdd>(u[3], v[3]),
-            ]
-        }
-    }
     #[inline(always)]
     unsafe fn signed(w: __m512i) -> __m512i {
         unsafe { _mm512_xor_si512(w, _mm512_set1_epi8(-128)) }
@@ -299,10 +206,6 @@ impl Panel for Zmm {
     #[inline(always)]
     unsafe fn fzero() -> __m512 {
         unsafe { _mm512_setzero_ps() }
-    }
-    #[inline(always)]
-    unsafe fn loadf(p: *const f32) -> __m512 {
-        unsafe { _mm512_loadu_ps(p) }
     }
     #[inline(always)]
     unsafe fn acc(acc: __m512, i: __m512i, scale: __m512, dx: f32) -> __m512 {

@@ -20,7 +20,6 @@ mod gguf_linear;
 mod gguf_panel;
 #[cfg(target_arch = "x86_64")]
 mod gguf_panel_x86;
-mod gguf_simd;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_dpbf16;
