@@ -4,8 +4,8 @@
 //! integer bias, so that the weights
 //! are `w = scale · (q - bias) + offset` (Q4_1: `offset = m`; Q4_K: `-dmin ·
 //! min_j`; Q4_0: `bias = 8`). The kernel then needs `Σ q·x_q` (an integer dot
-//! product), `bias · Σ x_q` (an exact integer) and the activation block's
-//! `dx · Σ x_q` (`gguf_int::Q8Rows`). The reference decoding is `gguf::decode_row`.
+//! product) and the activation block's `dx · Σ x_q` (`gguf_int::Q8Rows`), which
+//! `bias` and `offset` multiply. The reference decoding is `gguf::decode_row`.
 
 use super::gguf_panel::Panel;
 
@@ -16,7 +16,8 @@ pub(super) trait IntBlock {
     const SUBS: usize = 1;
     /// Whether `q` is signed (Q8_0), else unsigned and at most 63.
     const SIGNED: bool = false;
-    /// Subtracted from every `q` (as `BIAS · Σ x_q`, in integers).
+    /// Subtracted from every `q` (as `BIAS · dx · Σ x_q`, a power of two times
+    /// a float: exact).
     const BIAS: i32 = 0;
     /// Whether both halves share a scale and offset (all but Q6_K).
     const UNIFORM: bool = true;

@@ -3,11 +3,13 @@
 //! (`gguf_int_blocks`) and transposed so that vector `j` holds quant bytes
 //! `4j..4j + 4` of every row; each activation row then takes eight
 //! `vpdpbusd`s (or `vpmaddubsw` + `vpmaddwd`) with its four bytes broadcast, and
-//! the panel's exact integer sums meet the scales as one f32 vector per half.
-//! Per output the float steps are one chain: `acc + f32(Σ) · (scale · dx)` per
-//! half (a product, a product, a sum: never fused) and `acc + offset · sx`, so
-//! every ISA, and a row in any batch, gives the portable path's bits
-//! (`tests_gguf_int.rs`).
+//! the panel's exact integer sums meet the scales as f32 vectors. Per output the
+//! float steps are one chain of fused multiply-adds (`gguf_int::sub_dot`): the
+//! two halves' `f32(Σ) · dx`, less `bias · sx`, times the block's scale into
+//! the accumulator, then `offset · sx`; so every ISA, and a row in any batch,
+//! gives the portable path's bits (`tests_gguf_int.rs`). Five vector float
+//! steps a block and activation row beside the eight dot products: the float
+//! side had been twice the integer one at 64 rows.
 //!
 //! Dotting lanes with lanes (one weight row at a time, as before) left every
 //! block's eight partial sums to combine per row, six vector instructions per
@@ -20,8 +22,9 @@ pub(super) trait Panel {
     /// `LANES` f32 lanes.
     type F: Copy;
     const LANES: usize;
-    /// The most activation rows sharing one unpacked panel: their accumulators,
-    /// the eight weight vectors and a few temporaries fit the registers.
+    /// The most activation rows sharing one unpacked panel below 32 rows: their
+    /// accumulators, the eight weight vectors and a few temporaries fit the
+    /// registers.
     const MAX_GROUP: usize;
     /// What `signed` adds to each weight, to be subtracted as `SIGNED_BIAS · Σ x_q`.
     const SIGNED_BIAS: i32;
@@ -37,10 +40,16 @@ pub(super) trait Panel {
     /// `a - b` per lane.
     unsafe fn isub(a: Self::V, b: i32) -> Self::V;
     unsafe fn fzero() -> Self::F;
-    /// `acc + f32(i) · (scale · dx)`, each step rounded.
-    unsafe fn acc(acc: Self::F, i: Self::V, scale: Self::F, dx: f32) -> Self::F;
-    /// `acc + offset · sx`, each step rounded.
-    unsafe fn acc_off(acc: Self::F, offset: Self::F, sx: f32) -> Self::F;
+    /// `f32(i) · dx`, rounded.
+    unsafe fn scaled(i: Self::V, dx: f32) -> Self::F;
+    /// `f32(i) · dx + t`, fused (one rounding).
+    unsafe fn scaled_add(t: Self::F, i: Self::V, dx: f32) -> Self::F;
+    /// `a · s + c` per lane, fused.
+    unsafe fn fma_s(a: Self::F, s: f32, c: Self::F) -> Self::F;
+    /// `a · b + c` per lane, fused.
+    unsafe fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// `s` in every lane.
+    unsafe fn splat(s: f32) -> Self::F;
     /// The lanes into `out[..LANES]`.
     unsafe fn store(v: Self::F, out: &mut [f32; 16]);
     /// The 16 bytes at `rows[l] + at` of each lane `l`: vector `j` holds bytes
@@ -97,12 +106,24 @@ impl Panel for Portable8 {
         [0.0; 8]
     }
     #[inline(always)]
-    unsafe fn acc(acc: [f32; 8], i: [[u8; 4]; 8], scale: [f32; 8], dx: f32) -> [f32; 8] {
-        std::array::from_fn(|l| acc[l] + i32::from_le_bytes(i[l]) as f32 * (scale[l] * dx))
+    unsafe fn scaled(i: [[u8; 4]; 8], dx: f32) -> [f32; 8] {
+        i.map(|l| i32::from_le_bytes(l) as f32 * dx)
     }
     #[inline(always)]
-    unsafe fn acc_off(acc: [f32; 8], offset: [f32; 8], sx: f32) -> [f32; 8] {
-        std::array::from_fn(|l| acc[l] + offset[l] * sx)
+    unsafe fn scaled_add(t: [f32; 8], i: [[u8; 4]; 8], dx: f32) -> [f32; 8] {
+        std::array::from_fn(|l| (i32::from_le_bytes(i[l]) as f32).mul_add(dx, t[l]))
+    }
+    #[inline(always)]
+    unsafe fn fma_s(a: [f32; 8], s: f32, c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| a[l].mul_add(s, c[l]))
+    }
+    #[inline(always)]
+    unsafe fn fma(a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| a[l].mul_add(b[l], c[l]))
+    }
+    #[inline(always)]
+    unsafe fn splat(s: f32) -> [f32; 8] {
+        [s; 8]
     }
     #[inline(always)]
     unsafe fn store(v: [f32; 8], out: &mut [f32; 16]) {

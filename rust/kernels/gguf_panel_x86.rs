@@ -75,15 +75,24 @@ impl<const DOT: u8> Panel for Ymm<DOT> {
         unsafe { _mm256_setzero_ps() }
     }
     #[inline(always)]
-    unsafe fn acc(acc: __m256, i: __m256i, scale: __m256, dx: f32) -> __m256 {
-        unsafe {
-            let s = _mm256_mul_ps(scale, _mm256_set1_ps(dx));
-            _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(i), s))
-        }
+    unsafe fn scaled(i: __m256i, dx: f32) -> __m256 {
+        unsafe { _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(dx)) }
     }
     #[inline(always)]
-    unsafe fn acc_off(acc: __m256, offset: __m256, sx: f32) -> __m256 {
-        unsafe { _mm256_add_ps(acc, _mm256_mul_ps(offset, _mm256_set1_ps(sx))) }
+    unsafe fn scaled_add(t: __m256, i: __m256i, dx: f32) -> __m256 {
+        unsafe { _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(dx), t) }
+    }
+    #[inline(always)]
+    unsafe fn fma_s(a: __m256, s: f32, c: __m256) -> __m256 {
+        unsafe { _mm256_fmadd_ps(a, _mm256_set1_ps(s), c) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn splat(s: f32) -> __m256 {
+        unsafe { _mm256_set1_ps(s) }
     }
     #[inline(always)]
     unsafe fn store(v: __m256, out: &mut [f32; 16]) {
@@ -208,15 +217,24 @@ impl Panel for Zmm {
         unsafe { _mm512_setzero_ps() }
     }
     #[inline(always)]
-    unsafe fn acc(acc: __m512, i: __m512i, scale: __m512, dx: f32) -> __m512 {
-        unsafe {
-            let s = _mm512_mul_ps(scale, _mm512_set1_ps(dx));
-            _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(i), s))
-        }
+    unsafe fn scaled(i: __m512i, dx: f32) -> __m512 {
+        unsafe { _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(dx)) }
     }
     #[inline(always)]
-    unsafe fn acc_off(acc: __m512, offset: __m512, sx: f32) -> __m512 {
-        unsafe { _mm512_add_ps(acc, _mm512_mul_ps(offset, _mm512_set1_ps(sx))) }
+    unsafe fn scaled_add(t: __m512, i: __m512i, dx: f32) -> __m512 {
+        unsafe { _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(dx), t) }
+    }
+    #[inline(always)]
+    unsafe fn fma_s(a: __m512, s: f32, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, _mm512_set1_ps(s), c) }
+    }
+    #[inline(always)]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn splat(s: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(s) }
     }
     #[inline(always)]
     unsafe fn store(v: __m512, out: &mut [f32; 16]) {
