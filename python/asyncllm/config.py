@@ -312,6 +312,24 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: enable_lora is off
 
+    def to_json(self) -> str:
+        """The config as JSON (the executors hand it to their tensor-parallel workers)."""
+        import json
+
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        """The config `to_json` wrote, its nested sections rebuilt."""
+        import json
+
+        fields = json.loads(text)
+        if fields.get("speculative") is not None:
+            fields["speculative"] = SpeculativeConfig(**fields["speculative"])
+        if fields.get("lora") is not None:
+            fields["lora"] = LoRAConfig(**fields["lora"])
+        return cls(**fields)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch

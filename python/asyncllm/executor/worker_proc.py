@@ -24,7 +24,6 @@ group must not kill a rank before the front end has drained.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             link = RayLink(opts.hub, opts.rank)
         else:
             link = PipeLink(opts.status_fd, opts.store)
-        config = EngineConfig(**json.loads(opts.config))
+        config = EngineConfig.from_json(opts.config)
         run_worker(config, opts.rank, opts.size, link)
         return 0
     except BaseException as exc:
