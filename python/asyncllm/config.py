@@ -367,12 +367,6 @@ def _check_lora(args: EngineArgs) -> None:
     """What LoRA serving does not run with yet: the fields that must change."""
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise _fail("max_cpu_loras", args.max_cpu_loras, f">= max_loras ({args.max_loras})")
-    if args.tensor_parallel_size > 1:
-        raise _fail(
-            "tensor_parallel_size",
-            args.tensor_parallel_size,
-            "1 with enable_lora (LoRA weights are not sharded over ranks yet)",
-        )
     if args.executor == "null":
         raise _fail("executor", args.executor, "'torch' with enable_lora")
 
