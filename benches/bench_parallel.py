@@ -130,7 +130,9 @@ def _comm_rank(rank: int, store: str, iters: int, hidden: int, results: Any) -> 
             else:
                 got = receiver.recv_step(receiver.recv_header())
                 if i == 0:
-                    assert all(np.array_equal(a, b) for a, b in zip(got, step, strict=True))
+                    # (the LoRA map and events that follow are empty here)
+                    sent = got[: len(step)]
+                    assert all(np.array_equal(a, b) for a, b in zip(sent, step, strict=True))
             t1 = time.perf_counter()
             dist.all_reduce(tiny)
             t2 = time.perf_counter()

@@ -192,5 +192,3 @@ def test_engine_args_limits() -> None:
         EngineArgs(enable_lora=True, max_lora_rank=0)
     with pytest.raises(ConfigError, match="max_cpu_loras=1 is invalid: must be >= max_loras"):
         EngineArgs(enable_lora=True, max_loras=2, max_cpu_loras=1)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 .* enable_lora"):
-        EngineArgs(enable_lora=True, tensor_parallel_size=2)

@@ -312,6 +312,24 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: enable_lora is off
 
+    def to_json(self) -> str:
+        """The config as JSON (the executors hand it to their tensor-parallel workers)."""
+        import json
+
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        """The config `to_json` wrote, its nested sections rebuilt."""
+        import json
+
+        fields = json.loads(text)
+        if fields.get("speculative") is not None:
+            fields["speculative"] = SpeculativeConfig(**fields["speculative"])
+        if fields.get("lora") is not None:
+            fields["lora"] = LoRAConfig(**fields["lora"])
+        return cls(**fields)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
@@ -349,12 +367,6 @@ def _check_lora(args: EngineArgs) -> None:
     """What LoRA serving does not run with yet: the fields that must change."""
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise _fail("max_cpu_loras", args.max_cpu_loras, f">= max_loras ({args.max_loras})")
-    if args.tensor_parallel_size > 1:
-        raise _fail(
-            "tensor_parallel_size",
-            args.tensor_parallel_size,
-            "1 with enable_lora (LoRA weights are not sharded over ranks yet)",
-        )
     if args.executor == "null":
         raise _fail("executor", args.executor, "'torch' with enable_lora")
 

@@ -23,7 +23,6 @@ failure a step raises) is `TPExecutor`'s (executor/abstract.py); the Ray executo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import select
 import shutil
@@ -81,7 +80,7 @@ class MultiprocExecutor(TPExecutor):
     # -- start-up --------------------------------------------------------------------
 
     def start(self) -> None:
-        config_json = json.dumps(dataclasses.asdict(self.config))
+        config_json = self.config.to_json()
         for rank in range(1, self.size):
             read_fd, write_fd = os.pipe()
             cmd = [

@@ -28,7 +28,6 @@ actors and removes the placement group; if the core dies, Ray removes both with 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -95,7 +94,7 @@ class RayExecutor(TPExecutor):
         pg = self.placement_group = self._place()
         if self.config.device == "cuda":
             self._use_bundle0_gpu(pg)
-        config_json = json.dumps(dataclasses.asdict(self.config))
+        config_json = self.config.to_json()
         keys = hub.keys.client.to_text()
         actor_cls = self._ray.remote(WorkerSupervisor)
         cuda = self.config.device == "cuda"

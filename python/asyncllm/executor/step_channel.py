@@ -5,11 +5,14 @@ NCCL) of a fixed-size int64 buffer: a header and, when it fits in `INLINE`
 values (a 256-request decode step with ~100 tokens of context each does), the
 payload; a larger payload follows in a second broadcast of its exact size.
 
-    header   int64[8]: kind, num_tokens T, num_seqs n, block-table width nb,
-             sampled rows s, extra-logits flag, extra rows, payload inline
-    payload  int64[3T + 2n + n * nb + s]: input ids [T], positions [T], query
-             lengths [n], context lengths [n], block tables [n, nb], slot
-             mapping [T], the rows whose logits are sampled [s]
+    header   int64[10]: kind, num_tokens T, num_seqs n, block-table width nb,
+             sampled rows s, extra-logits flag, extra rows, payload inline,
+             LoRA map length L (T or 0), LoRA events length e
+    payload  int64[3T + 2n + n * nb + s + L + e]: input ids [T], positions [T],
+             query lengths [n], context lengths [n], block tables [n, nb], slot
+             mapping [T], the rows whose logits are sampled [s], with LoRA each
+             token's adapter slot [L] (none when no token has an adapter) and
+             rank 0's adapter events since the last step [e] (lora/ranks.py)
 
 One message, not a header then a payload: each broadcast is a wake-up of every
 worker, which on a busy CPU costs more than copying 32 KB
@@ -34,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 STEP, LOGITS, END_LOGITS, STOP = 1, 2, 3, 4
-HEADER_LEN = 8
+_NONE = np.empty(0, dtype=np.int64)
+HEADER_LEN = 10
 INLINE = 4096  # payload values carried in the header's broadcast (32 KB in all)
 
 
@@ -67,9 +71,13 @@ class StepSender(_Channel):
         slot_mapping: np.ndarray,
         sample_rows: np.ndarray,
         extra_logits: bool,
+        lora_slots: np.ndarray | None = None,
+        lora_events: np.ndarray | None = None,
     ) -> None:
         t, n, nb, s = len(input_ids), len(query_lens), block_tables.shape[1], len(sample_rows)
-        size = 3 * t + 2 * n + n * nb + s
+        lora_slots = _NONE if lora_slots is None else lora_slots
+        lora_events = _NONE if lora_events is None else lora_events
+        size = 3 * t + 2 * n + n * nb + s + len(lora_slots) + len(lora_events)
         parts = (
             input_ids,
             positions,
@@ -78,9 +86,12 @@ class StepSender(_Channel):
             block_tables.ravel(),
             slot_mapping,
             sample_rows,
+            lora_slots,
+            lora_events,
         )
         a = self._a
-        a[:HEADER_LEN] = (STEP, t, n, nb, s, extra_logits, 0, size <= INLINE)
+        header = (STEP, t, n, nb, s, extra_logits, 0, size <= INLINE)
+        a[:HEADER_LEN] = (*header, len(lora_slots), len(lora_events))
         if size <= INLINE:
             np.concatenate(parts, out=a[HEADER_LEN : HEADER_LEN + size], casting="unsafe")
             dist.broadcast(self._buf, 0, group=self.group)
@@ -106,7 +117,7 @@ class StepSender(_Channel):
         self._send_kind(STOP)
 
     def _send_kind(self, kind: int, rows: int = 0) -> None:
-        self._a[:HEADER_LEN] = (kind, 0, 0, 0, 0, 0, rows, 0)
+        self._a[:HEADER_LEN] = (kind, 0, 0, 0, 0, 0, rows, 0, 0, 0)
         dist.broadcast(self._buf, 0, group=self.group)
 
 
@@ -119,18 +130,19 @@ class StepReceiver(_Channel):
 
     def recv_step(self, header: list[int]) -> tuple[np.ndarray, ...]:
         """(input ids, positions, query lens, context lens, block tables, slots,
-        sampled rows) as rank 0 sent them."""
+        sampled rows, LoRA slots, LoRA events) as rank 0 sent them."""
         _, t, n, nb, s = header[:5]
-        size = 3 * t + 2 * n + n * nb + s
+        lt, le = header[8:10]
+        size = 3 * t + 2 * n + n * nb + s + lt + le
         if header[7]:
             a = self._a[HEADER_LEN : HEADER_LEN + size].copy()
         else:
             payload = torch.empty(size, dtype=torch.int64)
             dist.broadcast(payload, 0, group=self.group)
             a = payload.numpy()
-        ends = np.cumsum([t, t, n, n, n * nb, t, s])
-        ids, pos, q, ctx, bt, slots, rows, _ = np.split(a, ends)
-        return ids, pos, q, ctx, bt.reshape(n, nb), slots, rows
+        ends = np.cumsum([t, t, n, n, n * nb, t, s, lt, le])
+        ids, pos, q, ctx, bt, slots, rows, lora_slots, lora_events, _ = np.split(a, ends)
+        return ids, pos, q, ctx, bt.reshape(n, nb), slots, rows, lora_slots, lora_events
 
     def recv_rows(self, header: list[int]) -> torch.Tensor:
         rows = torch.empty(header[6], self.hidden_size, dtype=self.dtype)

@@ -5,6 +5,7 @@ asyncllm.executor.worker_proc`, started by the engine core's executor.
                status pipe (or b"E" + the error text, then exit 1); join the
                torch.distributed group; agree on the KV block count
     steps      receive rank 0's step message, build the same attention metadata,
+               follow rank 0's adapter events and token→slot map (lora/ranks.py),
                run the forward pass (its collectives pair with rank 0's), compute
                the sampled rows' logits for rank 0's gather; until STOP
     liveness   a thread writes b"H" on the status pipe every HEARTBEAT_S, which
@@ -24,7 +25,6 @@ group must not kill a rank before the front end has drained.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -181,16 +181,28 @@ def run_worker(config: EngineConfig, rank: int, size: int, link: Link) -> None:
     agreed = torch.tensor([num_blocks], dtype=torch.int64)
     torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=step_group)
     kv_caches = allocate_kv_caches(config, model, int(agreed.item()))
+    lora = mirror = None
+    if config.lora is not None:
+        from asyncllm.lora.model import LoRAModel
+        from asyncllm.lora.ranks import AdapterMirror
+
+        lora = LoRAModel.for_engine(model, config, device)
+        mirror = AdapterMirror(lora, same_files=isinstance(link, PipeLink))
     channel = StepReceiver(step_group, model.hidden_size, config.torch_dtype)
     bs = config.block_size
     with torch.inference_mode():
         while True:
             header = channel.recv_header()
             if header[0] == STOP:
+                if mirror is not None:
+                    mirror.close()
                 return
             if header[0] != STEP:
                 raise RuntimeError(f"expected a step message, got kind {header[0]}")
-            ids, pos, q, ctx, bt, slots, rows = channel.recv_step(header)
+            ids, pos, q, ctx, bt, slots, rows, lora_slots, events = channel.recv_step(header)
+            if lora is not None and mirror is not None:
+                mirror.apply(events)
+                lora.begin_step(lora_slots if len(lora_slots) else None)
             meta = build_attention_metadata(q, ctx, bt, slots, bs, device)
             hidden = model(
                 torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device), kv_caches, meta
@@ -228,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             link = RayLink(opts.hub, opts.rank)
         else:
             link = PipeLink(opts.status_fd, opts.store)
-        config = EngineConfig(**json.loads(opts.config))
+        config = EngineConfig.from_json(opts.config)
         run_worker(config, opts.rank, opts.size, link)
         return 0
     except BaseException as exc:

@@ -6,13 +6,19 @@ from `make_request`), so reading the files never stalls a step; the busy loop on
 copies an adapter from here into a device slot (`lora.slots`). A request holds its
 `LoadedAdapter` until it ends, so evicting or unloading an adapter here never
 changes what a running request computes with.
+
+Under tensor parallelism each rank holds its own slice of every adapter, cut as
+its base layers are (`lora.targets`); rank 0's reads are announced to the other
+ranks through `on_read` (`lora.ranks`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,19 +28,23 @@ from asyncllm.lora.peft import read_adapter
 from asyncllm.lora.request import LoRARequest
 from asyncllm.lora.targets import LoRATarget
 
+_SERIALS = itertools.count(1)
 
-@dataclass(eq=False, slots=True)
+
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class LoadedAdapter:
     """An adapter ready for a slot: per target, its slot contents in the model's
     dtype, laid out as the slots hold them (`lora.layers.lay_out_slot`: a slot
     write is a copy), or None where it adapts none of the target's projections.
     Host memory per adapter is one slot's. Compared by identity: a reload is
-    another adapter."""
+    another adapter, with another `serial` (how the tensor-parallel ranks name it
+    to each other: a reload of unchanged files has the same `cache_key`)."""
 
     request: LoRARequest
     rank: int
     contents: list[SlotContents | None]
     cache_key: str  # its prefix-cache identity (name, id, path and file identity)
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
 
 class HostAdapters:
@@ -49,6 +59,9 @@ class HostAdapters:
         self.dtype = dtype
         self._by_id: OrderedDict[int, LoadedAdapter] = OrderedDict()
         self._lock = threading.Lock()
+        # called with each adapter `read` returns (rank 0 of tensor parallelism:
+        # the other ranks read it too, lora.ranks.AdapterFeed)
+        self.on_read: Callable[[LoadedAdapter], None] | None = None
 
     def get(self, request: LoRARequest) -> LoadedAdapter:
         """The adapter `request` names, read from its path unless held. Raises
@@ -105,7 +118,10 @@ class HostAdapters:
                 f"this model adapts (the targets are {', '.join(known)} of each layer)"
             )
         key = f"{request.cache_key}\0{tensors.identity}"
-        return LoadedAdapter(request, tensors.rank, contents, key)
+        adapter = LoadedAdapter(request, tensors.rank, contents, key)
+        if self.on_read is not None:
+            self.on_read(adapter)
+        return adapter
 
     def _take(
         self, modules: dict[str, Pair], source: str, target: LoRATarget, k: int
@@ -114,10 +130,17 @@ class HostAdapters:
         if pair is None:
             return None
         a, b = pair
-        if a.shape[1] != target.in_features or b.shape[0] != target.slices[k]:
+        # the unsharded layer's sizes (what the file must fit), then this rank's cut
+        shard = None if target.shards is None else target.shards[k]
+        inputs = shard.total if shard is not None and shard.dim == 1 else target.in_features
+        outputs = shard.total if shard is not None and shard.dim == 0 else target.slices[k]
+        if a.shape[1] != inputs or b.shape[0] != outputs:
             raise InvalidRequestError(
                 f"LoRA module {source!r}: lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)} do not fit the layer ({target.in_features} inputs, "
-                f"{target.slices[k]} outputs)"
+                f"{tuple(b.shape)} do not fit the layer ({inputs} inputs, {outputs} outputs)"
             )
+        if shard is not None and shard.dim == 0:  # column-parallel: its outputs of B
+            b = b[shard.start : shard.stop]
+        elif shard is not None and shard.dim == 1:  # row-parallel: its inputs of A
+            a = a[:, shard.start : shard.stop]
         return a, b

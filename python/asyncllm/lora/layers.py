@@ -10,10 +10,17 @@ and a fused q/k/v projection costs two products, not six.
 
 Which slot each token of the step reads is one `LoRAStep` shared by every layer,
 set once per step (`lora.model.LoRAModel.begin_step`): the layers only read it.
+
+Under tensor parallelism the slots hold this rank's slice (`lora.targets`). Over a
+row-parallel base (o, down: each rank multiplies its input columns, one
+all-reduce sums) the adapter's share (x_r A_r) B is added to the rank's partial
+product before that all-reduce: B is linear, so the sum over ranks is (x A) B and
+adapters cost no collective of their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -104,6 +111,10 @@ class LoRALinear(nn.Module):
     ) -> None:
         super().__init__()
         self.base = base
+        # a row-parallel base: its product before the all-reduce, which runs here
+        self._partial: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
+            base, "partial", None
+        )
         self.in_features: int = int(base.in_features)  # type: ignore[arg-type]
         self.out_features: int = int(base.out_features)  # type: ignore[arg-type]
         if sum(slices) != self.out_features:
@@ -150,7 +161,16 @@ class LoRALinear(nn.Module):
                 np.copyto(as_buffer(dst), as_buffer(src))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.base(x)
+        if self._partial is None:
+            return self._add(self.base(x), x)
+        import torch.distributed as dist  # only row-parallel layers get here
+
+        y = self._add(self._partial(x), x)
+        dist.all_reduce(y)
+        return y
+
+    def _add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y plus each adapted token's (x A_s) B_s."""
         step = self.step
         if not step.active:
             return y

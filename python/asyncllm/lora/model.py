@@ -2,23 +2,31 @@
 device slots, and each step's tokens mapped to slots.
 
 The runner calls `add_row` / `remove_row` as requests join and leave its batch,
-and `begin_step` once per step before the forward. A step without adapted rows
-costs one numpy check and leaves the model exactly as without LoRA (the layers
-see `active` False; the fused decode path stays on).
+and `begin_step(token_slots(rows))` once per step before the forward. A step
+without adapted rows costs one numpy check and leaves the model exactly as without
+LoRA (the layers see `active` False; the fused decode path stays on).
+
+Under tensor parallelism only rank 0 has rows: it sends each step's token→slot
+map and its slot writes to the other ranks (`lora.ranks`), whose `LoRAModel`s
+only `begin_step` with rank 0's map.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from asyncllm import envs
 from asyncllm.lora.adapters import HostAdapters, LoadedAdapter
 from asyncllm.lora.kernel import choose
 from asyncllm.lora.layers import LoRALinear, LoRAStep
 from asyncllm.lora.slots import DeviceSlots
 from asyncllm.lora.targets import find_targets
+
+if TYPE_CHECKING:
+    from asyncllm.config import EngineConfig
 
 NO_SLOT = -1
 
@@ -57,6 +65,23 @@ class LoRAModel:
         # adapted rows: its one call knows no adapters
         self._fused_decode: Any = getattr(model, "fused_decode", None)
 
+    @classmethod
+    def for_engine(cls, model: Any, config: EngineConfig, device: torch.device) -> LoRAModel:
+        """LoRA on `model` as `config.lora` says (every tensor-parallel rank alike)."""
+        lora = config.lora
+        if lora is None:
+            raise ValueError("EngineConfig.lora is None: enable_lora is off")
+        return cls(
+            model,
+            max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank,
+            max_cpu_loras=lora.max_cpu_loras,
+            max_rows=config.max_num_seqs,
+            dtype=config.torch_dtype,
+            device=device,
+            kernel=envs.lora_kernel(),
+        )
+
     def add_row(self, row: int, adapter: LoadedAdapter | None) -> None:
         """A request joined the batch at `row`."""
         if adapter is None:
@@ -72,22 +97,29 @@ class LoRAModel:
             self.row_slot[row] = NO_SLOT
             self._num_adapted_rows -= 1
 
-    def begin_step(self, token_rows: np.ndarray) -> None:
-        """Map the step's tokens (their batch rows) to slots for every layer."""
-        slots = self.row_slot[token_rows] if self._num_adapted_rows else None
-        adapted = None if slots is None else np.flatnonzero(slots != NO_SLOT)
+    def token_slots(self, token_rows: np.ndarray) -> np.ndarray | None:
+        """Each of the step's tokens' slot (NO_SLOT: the base model) from its batch
+        row; None when no token has an adapter."""
+        if not self._num_adapted_rows:
+            return None
+        slots = self.row_slot[token_rows]
+        return slots if (slots != NO_SLOT).any() else None
+
+    def begin_step(self, slots: np.ndarray | None) -> None:
+        """Set the step's token→slot map (`token_slots`; None: no adapted token)
+        for every layer."""
         step = self.step
-        if adapted is None or len(adapted) == 0:
+        if slots is None:
             if step.active:  # back to the plain model, fused decode included
                 step.active = False
                 self.model.fused_decode = self._fused_decode
             return
-        assert slots is not None
         step.active = True
         self.model.fused_decode = None  # its one call knows no adapters
         if step.kernel == "rust":
             step.token_slot = slots
             return
+        adapted = np.flatnonzero(slots != NO_SLOT)
         first = int(slots[0])
         if len(adapted) == len(slots) and (slots == first).all():
             step.single, step.order, step.segments = first, None, ()

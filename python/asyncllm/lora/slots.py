@@ -8,6 +8,8 @@ adapters among running requests, so a new request's adapter always finds a slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from asyncllm.lora.adapters import LoadedAdapter
 from asyncllm.lora.layers import LoRALinear
 
@@ -20,6 +22,9 @@ class DeviceSlots:
         self._last_used = [0] * num_slots
         self._clock = 0
         self.num_loads = 0  # slot writes, for tests and stats
+        # called after each slot write (rank 0 of tensor parallelism: the other
+        # ranks write the same slot, lora.ranks.AdapterFeed)
+        self.on_write: Callable[[int, LoadedAdapter], None] | None = None
 
     def acquire(self, adapter: LoadedAdapter) -> int:
         """The slot of `adapter` (written into a free slot if not held), with one
@@ -30,13 +35,20 @@ class DeviceSlots:
             slot = held[0]
         else:
             slot = self._free_slot(adapter)
-            for layer, contents in zip(self.layers, adapter.contents, strict=True):
-                layer.set_slot(slot, contents)
+            self.write(slot, adapter)
             self.held[slot] = adapter
             self.num_loads += 1
+            if self.on_write is not None:
+                self.on_write(slot, adapter)
         self.refs[slot] += 1
         self._last_used[slot] = self._clock
         return slot
+
+    def write(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Copy `adapter` into `slot` of every layer (`acquire` chose the slot; on
+        the other tensor-parallel ranks, rank 0 did)."""
+        for layer, contents in zip(self.layers, adapter.contents, strict=True):
+            layer.set_slot(slot, contents)
 
     def release(self, slot: int) -> None:
         """One row that read `slot` left the batch."""

@@ -6,6 +6,12 @@ checkpoint modules it was fused from, in order, and their output sizes
 (`model.layers.3.self_attn.{q,k,v}_proj`). The names come from the model's own
 `weight_source`, so a family that fuses or names its projections differently
 needs no table here.
+
+Under tensor parallelism a target also keeps the slice of each checkpoint module
+its base layer holds (`models.parallel_layers.weight_shards`), so an adapter is cut
+exactly as the base weight is: a column-parallel layer (rows of W: q/k/v by their
+own heads, gate/up by their own columns) takes those rows of B; a row-parallel one
+(columns of W: o, down) those columns of A. Sizes here are the rank's own.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from asyncllm.errors import ConfigError
+from asyncllm.models.parallel_layers import Shard, weight_shards
 
 # Our projections that take adapters (q/k/v, o, gate/up, down).
 TARGET_LEAVES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -24,12 +31,15 @@ TARGET_LEAVES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 @dataclass(frozen=True, slots=True)
 class LoRATarget:
     """One adaptable layer: its module name in our model, the checkpoint modules
-    it fuses (`sources`), their output sizes (`slices`) and its input size."""
+    it fuses (`sources`), their output sizes (`slices`) and its input size, as
+    this rank holds them; with tensor parallelism, the slice of each source this
+    rank's base weight holds (`shards`, None on one rank)."""
 
     name: str
     sources: tuple[str, ...]
     slices: tuple[int, ...]
     in_features: int
+    shards: tuple[Shard, ...] | None = None
 
 
 def find_targets(model: nn.Module) -> list[LoRATarget]:
@@ -40,12 +50,16 @@ def find_targets(model: nn.Module) -> list[LoRATarget]:
         leaf = name.rpartition(".")[2]
         if leaf not in TARGET_LEAVES:
             continue
-        sources = tuple(
-            s.removesuffix(".weight")
-            for s in model.weight_source(f"{name}.weight")  # type: ignore[operator]
-        )
+        weights = model.weight_source(f"{name}.weight")  # type: ignore[operator]
+        sources = tuple(s.removesuffix(".weight") for s in weights)
         slices = _slices(model, name, module, len(sources))
-        targets.append(LoRATarget(name, sources, slices, int(module.in_features)))  # type: ignore[arg-type]
+        layout: Any = getattr(model, "tp", None)
+        shards = None
+        if layout is not None:
+            head_dim, vocab = model.head_dim, model.vocab_size
+            shards = tuple(weight_shards(f"{name}.weight", weights, layout, head_dim, vocab))  # type: ignore[arg-type]
+        in_features = int(module.in_features)  # type: ignore[arg-type]
+        targets.append(LoRATarget(name, sources, slices, in_features, shards))
     if not targets:
         raise ConfigError(
             f"EngineArgs.enable_lora: {type(model).__name__} has none of the layers "

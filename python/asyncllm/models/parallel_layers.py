@@ -40,6 +40,7 @@ class TPLayout:
     first_kv_head: int  # its first KV head in the checkpoint
     intermediate: int  # MLP columns of this rank
     vocab_per_rank: int  # embedding / LM-head rows per rank (the last may be padding)
+    total_kv_heads: int  # KV heads of the whole model
 
     @classmethod
     def of(cls, cfg: Any, num_kv_heads: int, rank: int, size: int) -> TPLayout:
@@ -58,18 +59,25 @@ class TPLayout:
             kv, first = num_kv_heads // size, rank * (num_kv_heads // size)
         else:
             kv, first = 1, rank * num_kv_heads // size
-        return cls(rank, size, heads // size, kv, first, inter // size, -(-cfg.vocab_size // size))
+        vocab = -(-cfg.vocab_size // size)
+        return cls(rank, size, heads // size, kv, first, inter // size, vocab, num_kv_heads)
 
 
 class RowParallelLinear(nn.Linear):
     """y = x W^T with W's input columns split across ranks: each rank adds its
-    partial product in one all-reduce. No bias (the Llama family has none here)."""
+    partial product in one all-reduce. No bias (the Llama family has none here).
+
+    `partial` is the rank's product before the all-reduce: a LoRA layer over this
+    one adds its own share there (lora/layers.py), so adapters cost no collective."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.partial(x)
         dist.all_reduce(out)
         return out
 
@@ -108,12 +116,14 @@ def gather_logits(local: torch.Tensor, vocab_size: int, rank: int, size: int) ->
 @dataclass(frozen=True)
 class Shard:
     """The part of one checkpoint tensor a rank loads: rows (dim 0) or columns
-    (dim 1) [start, stop), or all of it (dim None)."""
+    (dim 1) [start, stop) of the `total` the unsharded tensor has along that dim,
+    or all of it (dim None)."""
 
     source: str
     dim: int | None = None
     start: int = 0
     stop: int = 0
+    total: int = 0
 
 
 def weight_shards(
@@ -121,27 +131,27 @@ def weight_shards(
 ) -> list[Shard]:
     """The slices of `sources` (the checkpoint tensors of parameter `name`, as
     `weight_sources` gives them) that this rank's parameter is made of."""
-    r = layout.rank
+    r, size = layout.rank, layout.size
     prefix, _, _ = name.rpartition(".")
     if prefix.endswith("qkv_proj"):
         q, k, v = sources
         qn, kvn = layout.num_heads * head_dim, layout.num_kv_heads * head_dim
-        k0 = layout.first_kv_head * head_dim
+        k0, kv_total = layout.first_kv_head * head_dim, layout.total_kv_heads * head_dim
         return [
-            Shard(q, 0, r * qn, (r + 1) * qn),
-            Shard(k, 0, k0, k0 + kvn),
-            Shard(v, 0, k0, k0 + kvn),
+            Shard(q, 0, r * qn, (r + 1) * qn, size * qn),
+            Shard(k, 0, k0, k0 + kvn, kv_total),
+            Shard(v, 0, k0, k0 + kvn, kv_total),
         ]
     if prefix.endswith("o_proj"):
         qn = layout.num_heads * head_dim
-        return [Shard(sources[0], 1, r * qn, (r + 1) * qn)]
+        return [Shard(sources[0], 1, r * qn, (r + 1) * qn, size * qn)]
     if prefix.endswith("gate_up_proj"):
         n = layout.intermediate
-        return [Shard(s, 0, r * n, (r + 1) * n) for s in sources]
+        return [Shard(s, 0, r * n, (r + 1) * n, size * n) for s in sources]
     if prefix.endswith("down_proj"):
         n = layout.intermediate
-        return [Shard(sources[0], 1, r * n, (r + 1) * n)]
+        return [Shard(sources[0], 1, r * n, (r + 1) * n, size * n)]
     if prefix in ("embed_tokens", "lm_head"):
-        n = layout.vocab_per_rank
-        return [Shard(sources[0], 0, min(r * n, vocab_size), min((r + 1) * n, vocab_size))]
+        n, vs = layout.vocab_per_rank, vocab_size
+        return [Shard(sources[0], 0, min(r * n, vs), min((r + 1) * n, vs), vs)]
     return [Shard(s) for s in sources]

@@ -22,10 +22,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.lora.model import LoRAModel
+from asyncllm.lora.ranks import AdapterFeed
 from asyncllm.messages import Logprobs
 from asyncllm.models import kernel_rows
 from asyncllm.models.fused_decode import FusedDecode, unsupported
@@ -132,7 +132,11 @@ class ModelRunner:
             self.model.fused_decode = FusedDecode.build(
                 self.model, self.kv_caches, torch.get_num_threads()
             )
-        self.lora = None if config.lora is None else self._attach_lora(config)
+        self.lora = (
+            None if config.lora is None else LoRAModel.for_engine(self.model, config, self.device)
+        )
+        # tensor parallelism: the adapter reads, drops and slot writes the workers follow
+        self._lora_feed = None if self.lora is None or tp is None else AdapterFeed(self.lora)
         max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks_per_req)
         # Draws are keyed by (seed, output position), so a resumed request goes on
@@ -155,20 +159,6 @@ class ModelRunner:
         self.grammar_rows: GrammarRows | None = None
         # Set by the engine core while tracing or profiling (asyncllm.tracing).
         self.recorder: StepRecorder | None = None
-
-    def _attach_lora(self, config: EngineConfig) -> LoRAModel:
-        lora = config.lora
-        assert lora is not None
-        return LoRAModel(
-            self.model,
-            max_loras=lora.max_loras,
-            max_lora_rank=lora.max_lora_rank,
-            max_cpu_loras=lora.max_cpu_loras,
-            max_rows=config.max_num_seqs,
-            dtype=config.torch_dtype,
-            device=self.device,
-            kernel=envs.lora_kernel(),
-        )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -241,7 +231,9 @@ class ModelRunner:
         forward on their shards). On CUDA the span covers the launches; the wait
         shows in sampling."""
         ib = self.input_batch
+        lora_slots = None if self.lora is None else self.lora.token_slots(step.token_rows)
         if self.tp is not None:
+            feed = self._lora_feed
             self.tp.send_step(
                 step.input_ids,
                 step.positions,
@@ -251,12 +243,14 @@ class ModelRunner:
                 step.slots,
                 (step.cu_query_lens - 1)[step.sampled],
                 bool((ib.num_prompt_logprobs[step.rows] >= 0).any()),
+                lora_slots,
+                None if feed is None else feed.take(),
             )
         input_ids = torch.from_numpy(step.input_ids.astype(np.int64)).to(self.device)
         self._in_flight.feed(input_ids, step.token_rows, step.positions)
         positions = torch.from_numpy(step.positions).to(self.device)
         if self.lora is not None:
-            self.lora.begin_step(step.token_rows)
+            self.lora.begin_step(lora_slots)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, step.attention)
         return hidden
 

@@ -145,8 +145,12 @@ class RowParallelQuantLinear(QuantLinear):
     def of(cls, layer: QuantLinear) -> RowParallelQuantLinear:
         return cls(layer.qweight, layer.bits, layer.scales, layer.zeros, layer.in_features)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The rank's product before the all-reduce (where LoRA adds its share)."""
+        return super().forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = self.partial(x)
         dist.all_reduce(out)
         return out
 
