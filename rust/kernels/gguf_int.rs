@@ -25,6 +25,8 @@ use super::gguf_panel::{Panel, Portable8};
 use super::gguf_panel::{Ymm, Zmm, AVX_VNNI, MADDUBS};
 use super::team;
 use super::KernelError;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
 /// Output features per work item (one or two panels).
 const ITEM_ROWS: usize = 16;
@@ -85,21 +87,27 @@ impl QuantIsa {
     }
 
     /// One item's weight rows `w` against every row of `xq`, on this path.
-    fn rows<B: IntBlock>(self, w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
+    fn rows<B: IntBlock>(
+        self,
+        w: &[u8],
+        after: &[u8],
+        xq: &Q8Rows,
+        store: &dyn Fn(usize, usize, &[f32]),
+    ) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` is only constructed where the CPU has AVX2, FMA and
             // F16C (`available` checks them).
-            QuantIsa::Avx2 => unsafe { rows_avx2::<B>(w, xq, store) },
+            QuantIsa::Avx2 => unsafe { rows_avx2::<B>(w, after, xq, store) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `AvxVnni` is only constructed where the CPU has AVX2, FMA,
             // F16C and AVX-VNNI (`available`).
-            QuantIsa::AvxVnni => unsafe { rows_avxvnni::<B>(w, xq, store) },
+            QuantIsa::AvxVnni => unsafe { rows_avxvnni::<B>(w, after, xq, store) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx512Vnni` is only constructed where the CPU has AVX2, FMA,
             // F16C, AVX512F, AVX512VL and AVX512-VNNI (`available`).
-            QuantIsa::Avx512Vnni => unsafe { rows_avx512vnni::<B>(w, xq, store) },
-            _ => rows::<Portable8, B>(w, xq, store),
+            QuantIsa::Avx512Vnni => unsafe { rows_avx512vnni::<B>(w, after, xq, store) },
+            _ => rows::<Portable8, B>(w, after, xq, store),
         }
     }
 }
@@ -264,16 +272,17 @@ pub(super) fn run(
                 std::ptr::copy_nonoverlapping(v.as_ptr(), to, v.len());
             }
         };
+        let after = &w[rows.end * rb..(rows.end + ITEM_ROWS).min(n) * rb];
         let w = &w[rows.start * rb..rows.end * rb];
         match t {
-            GgufType::Q8_0 => isa.rows::<Q8_0>(w, &xq, &store),
-            GgufType::Q4_0 => isa.rows::<Q4_0>(w, &xq, &store),
-            GgufType::Q4_1 => isa.rows::<Q4_1>(w, &xq, &store),
-            GgufType::Q5_0 => isa.rows::<Q5_0>(w, &xq, &store),
-            GgufType::Q5_1 => isa.rows::<Q5_1>(w, &xq, &store),
-            GgufType::Q4K => isa.rows::<QK4<false>>(w, &xq, &store),
-            GgufType::Q5K => isa.rows::<QK4<true>>(w, &xq, &store),
-            _ => isa.rows::<Q6K>(w, &xq, &store),
+            GgufType::Q8_0 => isa.rows::<Q8_0>(w, after, &xq, &store),
+            GgufType::Q4_0 => isa.rows::<Q4_0>(w, after, &xq, &store),
+            GgufType::Q4_1 => isa.rows::<Q4_1>(w, after, &xq, &store),
+            GgufType::Q5_0 => isa.rows::<Q5_0>(w, after, &xq, &store),
+            GgufType::Q5_1 => isa.rows::<Q5_1>(w, after, &xq, &store),
+            GgufType::Q4K => isa.rows::<QK4<false>>(w, after, &xq, &store),
+            GgufType::Q5K => isa.rows::<QK4<true>>(w, after, &xq, &store),
+            _ => isa.rows::<Q6K>(w, after, &xq, &store),
         }
     };
     team::run_items(n.div_ceil(ITEM_ROWS), num_threads, &item)
@@ -287,20 +296,35 @@ fn quantize_avx2(k: usize, x: &[f32]) -> Q8Rows {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn rows_avx2<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
-    rows::<Ymm<MADDUBS>, B>(w, xq, store)
+fn rows_avx2<B: IntBlock>(
+    w: &[u8],
+    after: &[u8],
+    xq: &Q8Rows,
+    store: &dyn Fn(usize, usize, &[f32]),
+) {
+    rows::<Ymm<MADDUBS>, B>(w, after, xq, store)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-fn rows_avxvnni<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
-    rows::<Ymm<AVX_VNNI>, B>(w, xq, store)
+fn rows_avxvnni<B: IntBlock>(
+    w: &[u8],
+    after: &[u8],
+    xq: &Q8Rows,
+    store: &dyn Fn(usize, usize, &[f32]),
+) {
+    rows::<Ymm<AVX_VNNI>, B>(w, after, xq, store)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-fn rows_avx512vnni<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
-    rows::<Zmm, B>(w, xq, store)
+fn rows_avx512vnni<B: IntBlock>(
+    w: &[u8],
+    after: &[u8],
+    xq: &Q8Rows,
+    store: &dyn Fn(usize, usize, &[f32]),
+) {
+    rows::<Zmm, B>(w, after, xq, store)
 }
 
 /// Every weight row of `w` against every row of `xq`, a panel of `P::LANES`
@@ -310,7 +334,12 @@ fn rows_avx512vnni<B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usi
 /// below 32 rows, else 32 or 64, whose accumulators live in memory but which
 /// unpack each block once for all of them (1.04-1.25x at 64 rows on Zen 5).
 #[inline(always)]
-fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
+fn rows<P: Panel, B: IntBlock>(
+    w: &[u8],
+    after: &[u8],
+    xq: &Q8Rows,
+    store: &dyn Fn(usize, usize, &[f32]),
+) {
     let rb = xq.blocks / B::SUBS * B::BYTES;
     let n = w.len() / rb;
     for first_row in (0..n).step_by(P::LANES) {
@@ -320,6 +349,11 @@ fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usiz
             let j = first_row + l.min(lanes - 1);
             &w[j * rb..(j + 1) * rb]
         });
+        // the next panel's bytes (past this item's rows: the next item's, which
+        // the same thread usually takes), read ahead while this one runs; only
+        // the first group of x rows needs them, the others find them cached
+        let ahead = (first_row + P::LANES).min(n) * rb..(first_row + 2 * P::LANES).min(n) * rb;
+        let mut next = if ahead.is_empty() { after } else { &w[ahead] };
         let mut r = 0;
         while r < xq.rows {
             let size = match xq.rows - r {
@@ -333,17 +367,18 @@ fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usiz
             };
             let mut out = [[0.0f32; 16]; 64];
             match size {
-                64 => panel::<P, B, 64>(&rows, xq, r, &mut out),
-                32 => panel::<P, B, 32>(&rows, xq, r, &mut out),
-                16 => panel::<P, B, 16>(&rows, xq, r, &mut out),
-                8 => panel::<P, B, 8>(&rows, xq, r, &mut out),
-                4 => panel::<P, B, 4>(&rows, xq, r, &mut out),
-                2 => panel::<P, B, 2>(&rows, xq, r, &mut out),
-                _ => panel::<P, B, 1>(&rows, xq, r, &mut out),
+                64 => panel::<P, B, 64>(&rows, next, xq, r, &mut out),
+                32 => panel::<P, B, 32>(&rows, next, xq, r, &mut out),
+                16 => panel::<P, B, 16>(&rows, next, xq, r, &mut out),
+                8 => panel::<P, B, 8>(&rows, next, xq, r, &mut out),
+                4 => panel::<P, B, 4>(&rows, next, xq, r, &mut out),
+                2 => panel::<P, B, 2>(&rows, next, xq, r, &mut out),
+                _ => panel::<P, B, 1>(&rows, next, xq, r, &mut out),
             }
             for (i, row) in out[..size].iter().enumerate() {
                 store(r + i, first_row, &row[..lanes]);
             }
+            next = &[];
             r += size;
         }
     }
@@ -354,6 +389,7 @@ fn rows<P: Panel, B: IntBlock>(w: &[u8], xq: &Q8Rows, store: &dyn Fn(usize, usiz
 #[inline(always)]
 fn panel<P: Panel, B: IntBlock, const R: usize>(
     rows: &[&[u8]; 16],
+    next: &[u8],
     xq: &Q8Rows,
     first: usize,
     out: &mut [[f32; 16]; 64],
@@ -377,7 +413,16 @@ fn panel<P: Panel, B: IntBlock, const R: usize>(
     unsafe {
         let mut acc = [P::fzero(); R];
         let lane_rows = rows.map(|w| w.as_ptr());
-        for bi in 0..nb / B::SUBS {
+        let blocks = nb / B::SUBS;
+        let lines = next.len().div_ceil(64);
+        for bi in 0..blocks {
+            // a share of the next panel's cache lines a block: a panel's rows are
+            // each too short a stream for the CPU's prefetcher to learn (Q8_0
+            // rows of 576: ten lines), and demand misses had left a 49152 x 576
+            // LM head at 8 GB/s
+            for line in bi * lines / blocks..(bi + 1) * lines / blocks {
+                prefetch(next.as_ptr().add(64 * line));
+            }
             B::panel::<P>(&lane_rows, bi * B::BYTES, |s, wv, sc, off| {
                 let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
                 let xb = bi * B::SUBS + s;
@@ -390,6 +435,19 @@ fn panel<P: Panel, B: IntBlock, const R: usize>(
             P::store(acc, &mut out[r]);
         }
     }
+}
+
+/// Asks for the cache line at `p` ahead of its use (a hint: never faults).
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that reads nothing architecturally and never
+    // faults, whatever the address; SSE is part of x86-64.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// Signed weights as `P::dot_s` takes them.
