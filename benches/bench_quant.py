@@ -13,7 +13,7 @@ Q4_K_M (llama.cpp's quantizer) against the same weights in bf16, tokens/s only
     python benches/bench_quant.py [--parts kernels smollm2 llama1b] [--kernel-rows 1 64]
         [--shapes 2048x5632 ...] [--types Q4_1 ...] [--one-thread] [--rounds 3]
         [--tokens 64] [--streams 64] [--quick]
-        [--setups gguf,bf16,int8,int4,ct-w8a8,ct-w4a16]
+        [--setups gguf,gguf-bf16,bf16,int8,int4,ct-w8a8,ct-w4a16]
 
 Reported, for each SmolLM2 setup:
   - load: `load_model` in this process (the GGUF's folder prepared beforehand, as a
@@ -213,7 +213,7 @@ def int_mm_table(reps: int = 7) -> None:
             print(f"| [{rows} x {k}] . [{out} x {k}] | {a:.0f} | {b:.0f} | {b / a:.1f} |")
 
 
-SETUPS = ("gguf", "bf16", "int8", "int4", "ct-w8a8", "ct-w4a16")
+SETUPS = ("gguf", "gguf-bf16", "bf16", "int8", "int4", "ct-w8a8", "ct-w4a16")
 
 
 def setups_for(names: list[str], path: Path, folder: Path, tmp: Path) -> dict[str, Any]:
@@ -222,6 +222,9 @@ def setups_for(names: list[str], path: Path, folder: Path, tmp: Path) -> dict[st
     dense = dense_checkpoint(folder, tmp / "bf16")
     table: dict[str, Any] = {
         "gguf": (folder, "float32", str(path), None),
+        # the same blocks with bf16 activations (norms, attention, the residual
+        # stream and the KV cache in bf16, as the bf16 engine runs them)
+        "gguf-bf16": (folder, "bfloat16", str(path), None),
         "bf16": (dense, "bfloat16", str(dense), None),
         "int8": (dense, "bfloat16", str(dense), "int8"),
         "int4": (dense, "bfloat16", str(dense), "int4"),
