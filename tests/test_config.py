@@ -155,6 +155,40 @@ def test_dtype_auto_follows_the_checkpoint(caplog, checkpoint, requested, runs):
         assert "float16" in lines[0] and "CPU" in lines[0]
 
 
+_GGUF_DTYPE = """
+import sys
+from pathlib import Path
+from asyncllm import EngineArgs, _core
+from asyncllm.gguf_files.prepare import prepare_gguf
+from asyncllm.models.hf_config import load_hf_config
+gguf = sys.argv[1]
+hf = load_hf_config(prepare_gguf(Path(gguf)))
+auto = EngineArgs(model=gguf, device="cpu", max_model_len=256).resolve(hf).dtype
+pinned = EngineArgs(model=gguf, device="cpu", max_model_len=256, dtype="float32").resolve(hf)
+print(_core._kernel_isa("bfloat16"), auto, pinned.dtype)
+"""
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+def test_a_gguf_runs_bf16_where_the_cpu_has_bf16_dots(smollm2_gguf, isa):
+    """A GGUF names no activation dtype: auto picks bfloat16 where the kernels run
+    bf16 on dot instructions (AVX512-BF16), float32 where they would convert in
+    software (the ISA capped to AVX2 checks that side on any machine; the cap is
+    read once per process, hence a process each); an explicit dtype wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ASYNCLLM_KERNEL_ISA": isa}
+    run = [sys.executable, "-c", _GGUF_DTYPE, str(smollm2_gguf)]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120, check=True)
+    kernel_isa, auto, pinned = out.stdout.split()
+    assert auto == ("bfloat16" if kernel_isa == "avx512bf16" else "float32")
+    if isa == "avx2":
+        assert (kernel_isa, auto) == ("avx2", "float32")
+    assert pinned == "float32"
+
+
 def test_float16_is_refused_on_the_cpu():
     from transformers import LlamaConfig
 

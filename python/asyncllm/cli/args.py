@@ -28,7 +28,8 @@ from asyncllm.sampling_params import SamplingParams
 ENGINE_HELP: dict[str, str] = {
     "tokenizer": "directory with tokenizer.json (default: the model directory)",
     "dtype": f"weights and activations dtype, one of {', '.join(DTYPES)} (auto: the "
-    "checkpoint's torch_dtype; float16 runs as bfloat16 on the CPU)",
+    "checkpoint's torch_dtype; float16 runs as bfloat16 on the CPU; a GGUF runs "
+    "bfloat16 on a CPU with AVX512-BF16, else float32)",
     "kv_cache_dtype": f"KV cache dtype, one of {', '.join(KV_CACHE_DTYPES)} (auto: the "
     "model's dtype)",
     "quantization": f"quantize a float checkpoint's linear layers at load, one of"
