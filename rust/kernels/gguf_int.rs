@@ -131,7 +131,7 @@ pub(super) struct Q8Rows {
     /// Each block's `Σ x_q` by half (for signed weights on `vpdpbusd`).
     xs: Vec<[i32; 2]>,
     /// Each block's `dx · Σ x_q` over its first half, its second half and whole
-    /// (for weights with a float offset).
+    /// (for weights with a float offset or a bias).
     sx: Vec<[f32; 3]>,
     rows: usize,
 }
