@@ -106,6 +106,8 @@ def kernel_rows(
             nbytes = n * row_bytes(qtype, k)
             one = random_blocks(qtype, n, k, rng)
             ring = [GGUFLinear([(qtype, one.clone())], k, None) for _ in range(total // nbytes)]
+            for layer in ring:
+                layer.pack_panels()  # as the loader lays them out (float then unpacks)
             for rows in rows_list:
                 x = torch.randn(rows, k)
                 names = (

@@ -143,6 +143,43 @@ def test_embedding_dequantizes_the_rows_it_gathers() -> None:
     _assert_rounding_close(head.run("float", x), x @ table.T, x, table)
 
 
+@pytest.mark.parametrize("kernel", GGUF_KERNELS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_panel_layout_changes_no_output(qtype: str, kernel: str) -> None:
+    """A layer repacked into the panel layout (as the loader does on the CPU; 40
+    rows: two panels and 8 plain rows) gives every kernel's outputs bit for bit,
+    and its weight back."""
+    cols = max(BLOCK_SIZES[qtype][0] * 2, 64)
+    raw = torch.from_numpy(_quantized_or_finite(qtype, 40, cols))
+    plain = GGUFLinear([(qtype, raw.clone())], cols, None)
+    packed = GGUFLinear([(qtype, raw.clone())], cols, None)
+    packed.pack_panels()
+    assert packed.panels == ((qtype in INT_TYPES),)
+    assert torch.equal(packed.part0, raw) == (qtype not in INT_TYPES)
+    plain.tile_rows = packed.tile_rows = 16  # several tiles, the last one short
+    for rows in (1, 9, 17):
+        x = torch.randn(rows, cols)
+        assert torch.equal(packed.run(kernel, x), plain.run(kernel, x)), rows
+    assert torch.equal(packed.dequantized(), dequantize(raw, qtype))
+
+
+def test_a_repacked_embedding_looks_up_and_heads_the_same() -> None:
+    raw = torch.from_numpy(_quantized("Q8_0", 50, 64, seed=6).view(np.uint8).reshape(50, -1))
+    embed = GGUFEmbedding("Q8_0", raw.clone(), 64, torch.float32)
+    embed.pack_panels()
+    assert embed.panels and not torch.equal(embed.raw, raw)
+    ids = torch.tensor([[3, 49], [0, 17]])
+    table = dequantize(raw, "Q8_0")
+    assert torch.equal(embed(ids), table[ids])
+    head, want = embed.as_linear(), GGUFEmbedding("Q8_0", raw, 64, torch.float32).as_linear()
+    assert head.panels == (True,) and head.part0.data_ptr() == embed.raw.data_ptr()
+    x = torch.randn(3, 64)
+    for kernel in GGUF_KERNELS:
+        assert torch.equal(head.run(kernel, x), want.run(kernel, x)), kernel
+    with pytest.raises(ValueError, match="past the 50 rows"):
+        embed(torch.tensor([50]))
+
+
 def test_unknown_type_is_an_error_naming_it() -> None:
     with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight: type IQ2_XXS"):
         check_type("IQ2_XXS", "blk.0.attn_q.weight")

@@ -604,14 +604,26 @@ def _gguf_linear(qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_thre
     promises no thread writes w or out meanwhile."""
 
 def _gguf_linear_int(
-    qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int
+    qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int, panels: bool = False
 ) -> None:
     """As `_gguf_linear`, for the block types only (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
     Q4_K, Q5_K, Q6_K): x rounded to int8 with a scale per 16 elements (as
     llama.cpp's Q8 activations, whose scales are per 32) and integer dot products
     with the blocks (rust/kernels/gguf_int.rs), within |w| . max|x_group| / 254 per
-    term of dequantize + float32. Raises ValueError on
-    another type or a wrong shape, before writing. Private: the same one caller."""
+    term of dequantize + float32; `w` in the panel layout when `panels` (the same
+    bits). Raises ValueError on another type or a wrong shape, before writing.
+    Private: the same one caller."""
+
+def _gguf_pack_panels(qtype_name: str, raw: _Buffer) -> None:
+    """uint8 [rows, row_bytes] blocks of a block type repacked in place into the
+    panel layout the integer kernel reads with plain vector loads
+    (rust/kernels/gguf_panels.rs): 16 rows at a time, each block's words lane by
+    lane; rows past the last 16 stay. Private: `models.gguf.layers`."""
+
+def _gguf_unpack_rows(qtype_name: str, raw: _Buffer, ids: list[int], out: _Buffer) -> None:
+    """Rows `ids` of `raw` (panel layout) in the GGUF layout into `out` (uint8
+    [len(ids), row_bytes]). ValueError on a row past the end or a wrong shape.
+    Private: `models.gguf.layers`."""
 
 def _gguf_int_isa() -> str:
     """The path `_gguf_linear_int` runs on this CPU: "portable", "avx2", "avxvnni"
@@ -627,7 +639,8 @@ class _DecodePlan:
     """Every decoder layer of a Llama-shaped model for one-call decode steps
     (rust/kernels/decode_layers.rs, asyncllm.models.fused_decode). `layers`: per
     layer (input_norm, qkv, qkv_bias or None, o, post_norm, gate_up, down, kv_cache)
-    as buffers: weights float32 or bfloat16 bits (int16), one dtype for all; the bias
+    as buffers: weights float32 or bfloat16 bits (int16), one dtype for all, or a
+    projection's GGUF parts as a list of (qtype, uint8 rows, panel layout); the bias
     float32; the cache [2, num_blocks, block_size, num_kv_heads, head_dim] float32 or
     bfloat16 bits. The plan holds them for its lifetime and reads them with the GIL
     released: no other thread may write them meanwhile. Raises ValueError on a

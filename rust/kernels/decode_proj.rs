@@ -21,6 +21,8 @@ pub struct GgufPart<'a> {
     pub t: GgufType,
     /// Whole rows of `t.row_bytes(k)` bytes each.
     pub blocks: &'a [u8],
+    /// Whether `blocks` are in the panel layout (`gguf_panels`).
+    pub panels: bool,
 }
 
 /// A projection's weight, `[out, in]`.
@@ -78,7 +80,7 @@ pub(super) fn project<E: Elem>(
         if matches!(p.t, GgufType::F32 | GgufType::F16 | GgufType::Bf16) {
             gguf_linear(p.t, m, k, &x32, p.blocks, num_threads, &mut y)?;
         } else {
-            gguf_linear_int(p.t, m, k, &x32, p.blocks, num_threads, &mut y)?;
+            gguf_linear_int(p.t, m, k, &x32, p.blocks, p.panels, num_threads, &mut y)?;
         }
         for (dst, src) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
             for (d, s) in dst[first..first + rows].iter_mut().zip(src) {

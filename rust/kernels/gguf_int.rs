@@ -19,17 +19,21 @@
 
 use super::bf16::{isa_cap, IsaCap};
 use super::gguf::GgufType;
-use super::gguf_int_blocks::{IntBlock, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0, QK4};
+use super::gguf_int_blocks::{
+    IntBlock, Panels, Rows, Source, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0, QK4,
+};
 use super::gguf_panel::{Panel, Portable8};
 #[cfg(target_arch = "x86_64")]
 use super::gguf_panel::{Ymm, Zmm, AVX_VNNI, MADDUBS};
+use super::gguf_panels::PANEL;
 use super::team;
 use super::KernelError;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
-/// Output features per work item (one or two panels).
-const ITEM_ROWS: usize = 16;
+/// Output features per work item (one panel of the panel layout; one or two
+/// of the kernel's).
+const ITEM_ROWS: usize = PANEL;
 
 /// The integer kernel's instruction sets, in order of preference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -86,28 +90,23 @@ impl QuantIsa {
         isas
     }
 
-    /// One item's weight rows `w` against every row of `xq`, on this path.
-    fn rows<B: IntBlock>(
-        self,
-        w: &[u8],
-        after: &[u8],
-        xq: &Q8Rows,
-        store: &dyn Fn(usize, usize, &[f32]),
-    ) {
+    /// One item's weight rows `w` (one panel of the panel layout when `panel`)
+    /// against every row of `xq`, on this path.
+    fn rows<B: IntBlock>(self, w: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` is only constructed where the CPU has AVX2, FMA and
             // F16C (`available` checks them).
-            QuantIsa::Avx2 => unsafe { rows_avx2::<B>(w, after, xq, store) },
+            QuantIsa::Avx2 => unsafe { rows_avx2::<B>(w, xq, store) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `AvxVnni` is only constructed where the CPU has AVX2, FMA,
             // F16C and AVX-VNNI (`available`).
-            QuantIsa::AvxVnni => unsafe { rows_avxvnni::<B>(w, after, xq, store) },
+            QuantIsa::AvxVnni => unsafe { rows_avxvnni::<B>(w, xq, store) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx512Vnni` is only constructed where the CPU has AVX2, FMA,
             // F16C, AVX512F, AVX512VL and AVX512-VNNI (`available`).
-            QuantIsa::Avx512Vnni => unsafe { rows_avx512vnni::<B>(w, after, xq, store) },
-            _ => rows::<Portable8, B>(w, after, xq, store),
+            QuantIsa::Avx512Vnni => unsafe { rows_avx512vnni::<B>(w, xq, store) },
+            _ => rows::<Portable8, B>(w, xq, store),
         }
     }
 }
@@ -215,26 +214,47 @@ fn quantize_half(x: &[f32; 16], q: &mut [i8; 16]) -> (f32, i32) {
 
 /// `out[m, n] = x[m, k] · dequantize(w)[n, k]ᵀ` on `num_threads` threads, with
 /// the best integer path this CPU has; `w` is `n` rows of blocks of `t`, a
-/// quantized type. Every check runs before `out` is written.
+/// quantized type, in the panel layout (`gguf_panels`) when `panels` (the same
+/// bits either way). Every check runs before `out` is written.
+#[allow(clippy::too_many_arguments)] // the product's operands and the layout
 pub fn gguf_linear_int(
     t: GgufType,
     m: usize,
     k: usize,
     x: &[f32],
     w: &[u8],
+    panels: bool,
     num_threads: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    run(QuantIsa::detect()?, t, (m, k), x, w, num_threads, out)
+    run(
+        QuantIsa::detect()?,
+        t,
+        (m, k),
+        x,
+        (w, panels),
+        num_threads,
+        out,
+    )
 }
 
-/// `gguf_linear_int` on the path `isa` (tests run each).
+/// One work item's weight rows: the item's bytes, the next item's (read ahead),
+/// and whether they are one panel of the panel layout (`gguf_panels`).
+#[derive(Clone, Copy)]
+struct Item<'a> {
+    w: &'a [u8],
+    after: &'a [u8],
+    panel: bool,
+}
+
+/// `gguf_linear_int` on the path `isa` (tests run each); `w` is `(blocks, whether
+/// they are in the panel layout)`.
 pub(super) fn run(
     isa: QuantIsa,
     t: GgufType,
     (m, k): (usize, usize),
     x: &[f32],
-    w: &[u8],
+    (w, panels): (&[u8], bool),
     num_threads: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
@@ -272,17 +292,21 @@ pub(super) fn run(
                 std::ptr::copy_nonoverlapping(v.as_ptr(), to, v.len());
             }
         };
-        let after = &w[rows.end * rb..(rows.end + ITEM_ROWS).min(n) * rb];
-        let w = &w[rows.start * rb..rows.end * rb];
+        let it = Item {
+            w: &w[rows.start * rb..rows.end * rb],
+            after: &w[rows.end * rb..(rows.end + ITEM_ROWS).min(n) * rb],
+            // items are panels; the rows past the last whole one stay plain
+            panel: panels && rows.len() == PANEL,
+        };
         match t {
-            GgufType::Q8_0 => isa.rows::<Q8_0>(w, after, &xq, &store),
-            GgufType::Q4_0 => isa.rows::<Q4_0>(w, after, &xq, &store),
-            GgufType::Q4_1 => isa.rows::<Q4_1>(w, after, &xq, &store),
-            GgufType::Q5_0 => isa.rows::<Q5_0>(w, after, &xq, &store),
-            GgufType::Q5_1 => isa.rows::<Q5_1>(w, after, &xq, &store),
-            GgufType::Q4K => isa.rows::<QK4<false>>(w, after, &xq, &store),
-            GgufType::Q5K => isa.rows::<QK4<true>>(w, after, &xq, &store),
-            _ => isa.rows::<Q6K>(w, after, &xq, &store),
+            GgufType::Q8_0 => isa.rows::<Q8_0>(it, &xq, &store),
+            GgufType::Q4_0 => isa.rows::<Q4_0>(it, &xq, &store),
+            GgufType::Q4_1 => isa.rows::<Q4_1>(it, &xq, &store),
+            GgufType::Q5_0 => isa.rows::<Q5_0>(it, &xq, &store),
+            GgufType::Q5_1 => isa.rows::<Q5_1>(it, &xq, &store),
+            GgufType::Q4K => isa.rows::<QK4<false>>(it, &xq, &store),
+            GgufType::Q5K => isa.rows::<QK4<true>>(it, &xq, &store),
+            _ => isa.rows::<Q6K>(it, &xq, &store),
         }
     };
     team::run_items(n.div_ceil(ITEM_ROWS), num_threads, &item)
@@ -296,99 +320,110 @@ fn quantize_avx2(k: usize, x: &[f32]) -> Q8Rows {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn rows_avx2<B: IntBlock>(
-    w: &[u8],
-    after: &[u8],
-    xq: &Q8Rows,
-    store: &dyn Fn(usize, usize, &[f32]),
-) {
-    rows::<Ymm<MADDUBS>, B>(w, after, xq, store)
+fn rows_avx2<B: IntBlock>(w: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
+    rows::<Ymm<MADDUBS>, B>(w, xq, store)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-fn rows_avxvnni<B: IntBlock>(
-    w: &[u8],
-    after: &[u8],
-    xq: &Q8Rows,
-    store: &dyn Fn(usize, usize, &[f32]),
-) {
-    rows::<Ymm<AVX_VNNI>, B>(w, after, xq, store)
+fn rows_avxvnni<B: IntBlock>(w: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
+    rows::<Ymm<AVX_VNNI>, B>(w, xq, store)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-fn rows_avx512vnni<B: IntBlock>(
-    w: &[u8],
-    after: &[u8],
-    xq: &Q8Rows,
-    store: &dyn Fn(usize, usize, &[f32]),
-) {
-    rows::<Zmm, B>(w, after, xq, store)
+fn rows_avx512vnni<B: IntBlock>(w: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
+    rows::<Zmm, B>(w, xq, store)
 }
 
-/// Every weight row of `w` against every row of `xq`, a panel of `P::LANES`
-/// weight rows at a time (the last panel repeats its last row into the lanes it
-/// lacks, whose results are dropped), x rows in groups that share each unpacked
-/// block (a row's result does not depend on its group): up to `P::MAX_GROUP`
-/// below 32 rows, else 32 or 64, whose accumulators live in memory but which
-/// unpack each block once for all of them (1.04-1.25x at 64 rows on Zen 5).
+/// Every weight row of the item against every row of `xq`, a panel of
+/// `P::LANES` weight rows at a time (in the GGUF layout, the last panel repeats
+/// its last row into the lanes it lacks, whose results are dropped), x rows in
+/// groups that share each unpacked block (a row's result does not depend on its
+/// group): up to `P::MAX_GROUP` below 32 rows, else 32 or 64, whose
+/// accumulators live in memory but which unpack each block once for all of them
+/// (1.04-1.25x at 64 rows on Zen 5).
 #[inline(always)]
-fn rows<P: Panel, B: IntBlock>(
-    w: &[u8],
-    after: &[u8],
-    xq: &Q8Rows,
-    store: &dyn Fn(usize, usize, &[f32]),
-) {
+fn rows<P: Panel, B: IntBlock>(it: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, usize, &[f32])) {
     let rb = xq.blocks / B::SUBS * B::BYTES;
-    let n = w.len() / rb;
+    let (w, n) = (it.w, it.w.len() / rb);
     for first_row in (0..n).step_by(P::LANES) {
         let lanes = P::LANES.min(n - first_row);
         // lane l holds weight row first_row + l (the last one repeated)
-        let rows: [&[u8]; 16] = std::array::from_fn(|l| {
+        let rows: [*const u8; 16] = std::array::from_fn(|l| {
             let j = first_row + l.min(lanes - 1);
-            &w[j * rb..(j + 1) * rb]
+            w[j * rb..(j + 1) * rb].as_ptr()
         });
         // the next panel's bytes (past this item's rows: the next item's, which
         // the same thread usually takes), read ahead while this one runs; only
         // the first group of x rows needs them, the others find them cached
         let ahead = (first_row + P::LANES).min(n) * rb..(first_row + 2 * P::LANES).min(n) * rb;
-        let mut next = if ahead.is_empty() { after } else { &w[ahead] };
-        let mut r = 0;
-        while r < xq.rows {
-            let size = match xq.rows - r {
-                64.. => 64,
-                32.. => 32,
-                16.. if P::MAX_GROUP == 16 => 16,
-                8.. => 8,
-                4..=7 => 4,
-                2 | 3 => 2,
-                _ => 1,
+        let next = if ahead.is_empty() {
+            it.after
+        } else {
+            &w[ahead]
+        };
+        if it.panel {
+            assert!(n == PANEL, "a panel is whole");
+            let src = Panels {
+                base: w.as_ptr(),
+                lane: first_row,
             };
-            let mut out = [[0.0f32; 16]; 64];
-            match size {
-                64 => panel::<P, B, 64>(&rows, next, xq, r, &mut out),
-                32 => panel::<P, B, 32>(&rows, next, xq, r, &mut out),
-                16 => panel::<P, B, 16>(&rows, next, xq, r, &mut out),
-                8 => panel::<P, B, 8>(&rows, next, xq, r, &mut out),
-                4 => panel::<P, B, 4>(&rows, next, xq, r, &mut out),
-                2 => panel::<P, B, 2>(&rows, next, xq, r, &mut out),
-                _ => panel::<P, B, 1>(&rows, next, xq, r, &mut out),
-            }
-            for (i, row) in out[..size].iter().enumerate() {
-                store(r + i, first_row, &row[..lanes]);
-            }
-            next = &[];
-            r += size;
+            groups::<P, B, Panels>(src, next, xq, lanes, first_row, store);
+        } else {
+            groups::<P, B, Rows>(Rows(&rows), next, xq, lanes, first_row, store);
         }
     }
 }
 
-/// The panel of weight rows `rows` (one a lane) dotted with rows
-/// `first..first + R` of `xq`, into `out[..R][..P::LANES]`.
+/// The `lanes` weight rows of `src` against every row of `xq`, in groups of x
+/// rows (see `rows`), stored as output features `first_row..`.
 #[inline(always)]
-fn panel<P: Panel, B: IntBlock, const R: usize>(
-    rows: &[&[u8]; 16],
+fn groups<P: Panel, B: IntBlock, S: Source<P>>(
+    src: S,
+    mut next: &[u8],
+    xq: &Q8Rows,
+    lanes: usize,
+    first_row: usize,
+    store: &dyn Fn(usize, usize, &[f32]),
+) {
+    let mut r = 0;
+    while r < xq.rows {
+        let size = match xq.rows - r {
+            64.. => 64,
+            32.. => 32,
+            16.. if P::MAX_GROUP == 16 => 16,
+            8.. => 8,
+            4..=7 => 4,
+            2 | 3 => 2,
+            _ => 1,
+        };
+        let mut out = [[0.0f32; 16]; 64];
+        match size {
+            64 => panel::<P, B, S, 64>(src, next, xq, r, &mut out),
+            32 => panel::<P, B, S, 32>(src, next, xq, r, &mut out),
+            16 => panel::<P, B, S, 16>(src, next, xq, r, &mut out),
+            8 => panel::<P, B, S, 8>(src, next, xq, r, &mut out),
+            4 => panel::<P, B, S, 4>(src, next, xq, r, &mut out),
+            2 => panel::<P, B, S, 2>(src, next, xq, r, &mut out),
+            _ => panel::<P, B, S, 1>(src, next, xq, r, &mut out),
+        }
+        for (i, row) in out[..size].iter().enumerate() {
+            store(r + i, first_row, &row[..lanes]);
+        }
+        next = &[];
+        r += size;
+    }
+}
+
+/// The panel of weight rows `src` (one a lane, each `xq.blocks` elements)
+/// dotted with rows `first..first + R` of `xq`, into `out[..R][..P::LANES]`.
+///
+/// The caller's `src` holds whole rows of blocks: `Rows` from `rows`' slices
+/// of whole rows, `Panels` from a whole panel.
+#[inline(always)]
+fn panel<P: Panel, B: IntBlock, S: Source<P>, const R: usize>(
+    src: S,
     next: &[u8],
     xq: &Q8Rows,
     first: usize,
@@ -396,23 +431,18 @@ fn panel<P: Panel, B: IntBlock, const R: usize>(
 ) {
     let nb = xq.blocks;
     assert!(
-        rows.iter().all(|w| w.len() * B::SUBS == nb * B::BYTES),
-        "rows of whole blocks"
-    );
-    assert!(
         (first + R) * nb <= xq.dx.len()
             && xq.qs.len() == 32 * xq.dx.len()
             && xq.xs.len() == xq.dx.len()
             && xq.sx.len() == xq.dx.len(),
         "rows first..first + R of xq"
     );
-    // SAFETY: each block read lies in its row (whole blocks: asserted); the
-    // activation block `at = (first + r) * nb + xb` (r < R, xb < nb) lies in `xq`
-    // (asserted); the instructions of `P` are those of the wrapper this is
-    // inlined into (see `QuantIsa::rows`).
+    // SAFETY: each block read lies in its row or panel (whole rows of `nb`
+    // elements: the caller's); the activation block `at = (first + r) * nb + xb`
+    // (r < R, xb < nb) lies in `xq` (asserted); the instructions of `P` are those
+    // of the wrapper this is inlined into (see `QuantIsa::rows`).
     unsafe {
         let mut acc = [P::fzero(); R];
-        let lane_rows = rows.map(|w| w.as_ptr());
         let blocks = nb / B::SUBS;
         let lines = next.len().div_ceil(64);
         for bi in 0..blocks {
@@ -423,7 +453,7 @@ fn panel<P: Panel, B: IntBlock, const R: usize>(
             for line in bi * lines / blocks..(bi + 1) * lines / blocks {
                 prefetch(next.as_ptr().add(64 * line));
             }
-            B::panel::<P>(&lane_rows, bi * B::BYTES, |s, wv, sc, off| {
+            B::panel::<P, S>(src, bi, |s, wv, sc, off| {
                 let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
                 let xb = bi * B::SUBS + s;
                 for (r, acc) in acc.iter_mut().enumerate() {

@@ -55,6 +55,10 @@ pub(super) trait Panel {
     /// The 16 bytes at `rows[l] + at` of each lane `l`: vector `j` holds bytes
     /// `4j..4j + 4` (loads and shuffles: a gather costs several times more).
     unsafe fn words4(rows: &[*const u8; 16], at: usize) -> [Self::V; 4];
+    /// `LANES` 32-bit words at `p` (the panel layout's one load for 16 lanes).
+    unsafe fn load(p: *const u8) -> Self::V;
+    /// `LANES` IEEE halves at `p`, as f32.
+    unsafe fn load_halves(p: *const u8) -> Self::F;
     /// Each lane's low (`HIGH` false) or high 16 bits as an IEEE half, as f32.
     unsafe fn halves<const HIGH: bool>(v: Self::V) -> Self::F;
     /// Each byte's low nibble (`HIGH` false) or high nibble.
@@ -136,6 +140,18 @@ impl Panel for Portable8 {
             std::array::from_fn(|l| unsafe {
                 rows[l].add(at + 4 * j).cast::<[u8; 4]>().read_unaligned()
             })
+        })
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> [[u8; 4]; 8] {
+        // SAFETY: the caller's `p` holds 32 readable bytes.
+        std::array::from_fn(|l| unsafe { p.add(4 * l).cast::<[u8; 4]>().read_unaligned() })
+    }
+    #[inline(always)]
+    unsafe fn load_halves(p: *const u8) -> [f32; 8] {
+        // SAFETY: the caller's `p` holds 16 readable bytes.
+        std::array::from_fn(|l| unsafe {
+            super::gguf::f16_to_f32(p.add(2 * l).cast::<u16>().read_unaligned())
         })
     }
     #[inline(always)]

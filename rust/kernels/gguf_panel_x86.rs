@@ -120,6 +120,14 @@ impl<const DOT: u8> Panel for Ymm<DOT> {
         }
     }
     #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m256i {
+        unsafe { _mm256_loadu_si256(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn load_halves(p: *const u8) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    #[inline(always)]
     unsafe fn halves<const HIGH: bool>(v: __m256i) -> __m256 {
         unsafe {
             // each lane's half to the low 8 bytes of its 128-bit lane, then
@@ -261,6 +269,14 @@ impl Panel for Zmm {
                 _mm512_unpackhi_epi64(t1, t3),
             ]
         }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m512i {
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn load_halves(p: *const u8) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
     #[inline(always)]
     unsafe fn halves<const HIGH: bool>(v: __m512i) -> __m512 {

@@ -20,6 +20,7 @@ mod gguf_linear;
 mod gguf_panel;
 #[cfg(target_arch = "x86_64")]
 mod gguf_panel_x86;
+mod gguf_panels;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_dpbf16;
@@ -38,6 +39,8 @@ mod tests_gguf;
 #[cfg(test)]
 mod tests_gguf_int;
 #[cfg(test)]
+mod tests_gguf_panels;
+#[cfg(test)]
 mod tests_linear;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
@@ -47,6 +50,9 @@ pub use elementwise::{add_rms_norm, rms_norm};
 pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_int::{gguf_int_isa, gguf_linear_int};
 pub use gguf_linear::gguf_linear;
+pub use gguf_panels::{
+    pack as gguf_pack_panels, unpack_rows as gguf_unpack_rows, PANEL as GGUF_PANEL,
+};
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use lora::{lora_add, LoraLayout, LoraShape};
 pub use paged_attention::{

@@ -11,10 +11,10 @@ use super::gguf::{dequantize, GgufType};
 use super::gguf_int::{run, QuantIsa};
 
 /// xorshift; the first value depends on the seed.
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -25,7 +25,7 @@ impl Rng {
     }
 }
 
-const INT_TYPES: [GgufType; 8] = [
+pub(super) const INT_TYPES: [GgufType; 8] = [
     GgufType::Q8_0,
     GgufType::Q4_0,
     GgufType::Q4_1,
@@ -37,7 +37,7 @@ const INT_TYPES: [GgufType; 8] = [
 ];
 
 /// Random blocks whose f16 scales are finite (0.001..0.05, either sign for d).
-fn blocks(t: GgufType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+pub(super) fn blocks(t: GgufType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
     let rb = t.row_bytes(k).unwrap();
     let mut w: Vec<u8> = (0..n * rb).map(|_| rng.next() as u8).collect();
     let (_, size) = t.block();
@@ -56,7 +56,7 @@ fn blocks(t: GgufType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
     w
 }
 
-fn xs(m: usize, k: usize, rng: &mut Rng) -> Vec<f32> {
+pub(super) fn xs(m: usize, k: usize, rng: &mut Rng) -> Vec<f32> {
     let mut x: Vec<f32> = (0..m * k).map(|_| 3.0 * rng.uniform()).collect();
     x[32..64].fill(0.0); // an all-zero block (scale 0)
     x
@@ -71,11 +71,11 @@ fn every_path_equals_portable_bit_for_bit() {
         for m in [1, 3, 8, 11, 16, 21] {
             let x = xs(m, k, &mut rng);
             let mut want = vec![0.0; m * n];
-            run(QuantIsa::Portable, t, (m, k), &x, &w, 1, &mut want).unwrap();
+            run(QuantIsa::Portable, t, (m, k), &x, (&w, false), 1, &mut want).unwrap();
             for isa in QuantIsa::available() {
                 for threads in [1, 2] {
                     let mut got = vec![f32::NAN; m * n];
-                    run(isa, t, (m, k), &x, &w, threads, &mut got).unwrap();
+                    run(isa, t, (m, k), &x, (&w, false), threads, &mut got).unwrap();
                     let same = got
                         .iter()
                         .zip(&want)
@@ -98,7 +98,7 @@ fn portable_path_within_int8_rounding_of_dequantize() {
         for m in [1, 2, 5] {
             let x = xs(m, k, &mut rng);
             let mut got = vec![0.0; m * n];
-            run(QuantIsa::Portable, t, (m, k), &x, &w, 2, &mut got).unwrap();
+            run(QuantIsa::Portable, t, (m, k), &x, (&w, false), 2, &mut got).unwrap();
             for r in 0..m {
                 let xr = &x[r * k..(r + 1) * k];
                 for j in 0..n {
@@ -140,7 +140,7 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
         GgufType::Q4_1,
         (1, k),
         &x,
-        &w,
+        (&w, false),
         1,
         &mut out,
     )
@@ -152,7 +152,7 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
         GgufType::F16,
         (1, 32),
         &[0.0; 32],
-        &[0; 64],
+        (&[0; 64], false),
         1,
         &mut [0.0; 1]
     )
@@ -162,7 +162,7 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
         GgufType::Q8_0,
         (1, 32),
         &[0.0; 32],
-        &[0; 68],
+        (&[0; 68], false),
         1,
         &mut [0.0; 1]
     )
@@ -172,7 +172,7 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
         GgufType::Q8_0,
         (1, 30),
         &[0.0; 30],
-        &[0; 34],
+        (&[0; 34], false),
         1,
         &mut [0.0; 1]
     )
@@ -182,7 +182,7 @@ fn nan_in_x_reaches_the_output_and_bad_shapes_are_errors() {
         GgufType::Q8_0,
         (1, 32),
         &[0.0; 32],
-        &[0; 34],
+        (&[0; 34], false),
         0,
         &mut [0.0; 1]
     )
@@ -199,10 +199,19 @@ fn a_row_has_the_same_bits_alone_and_in_any_batch() {
         let x = xs(m, k, &mut rng);
         for isa in QuantIsa::available() {
             let mut all = vec![0.0; m * n];
-            run(isa, t, (m, k), &x, &w, 2, &mut all).unwrap();
+            run(isa, t, (m, k), &x, (&w, false), 2, &mut all).unwrap();
             for (r, want) in all.chunks_exact(n).enumerate() {
                 let mut alone = vec![0.0; n];
-                run(isa, t, (1, k), &x[r * k..(r + 1) * k], &w, 1, &mut alone).unwrap();
+                run(
+                    isa,
+                    t,
+                    (1, k),
+                    &x[r * k..(r + 1) * k],
+                    (&w, false),
+                    1,
+                    &mut alone,
+                )
+                .unwrap();
                 let same = alone
                     .iter()
                     .zip(want)

@@ -111,7 +111,8 @@ impl Buf {
 /// A projection's weight as `run` reads it.
 enum ProjBuf {
     Float(Buf),
-    Gguf(Vec<(GgufType, PyBuffer<u8>)>),
+    /// Each part's type, blocks and whether they are in the panel layout.
+    Gguf(Vec<(GgufType, PyBuffer<u8>, bool)>),
 }
 
 impl ProjBuf {
@@ -121,8 +122,10 @@ impl ProjBuf {
         }
         let mut parts = Vec::new();
         for part in obj.cast::<PyList>()?.iter() {
-            let bad = || PyValueError::new_err(format!("{name}: a part is (qtype, uint8 rows)"));
-            let (qtype, rows): (String, Bound<'_, PyAny>) = part.extract().map_err(|_| bad())?;
+            let bad =
+                || PyValueError::new_err(format!("{name}: a part is (qtype, uint8 rows, panels)"));
+            let (qtype, rows, panels): (String, Bound<'_, PyAny>, bool) =
+                part.extract().map_err(|_| bad())?;
             let t = GgufType::from_name(&qtype).map_err(|e| PyErr::from(Error::from(e)))?;
             let buf = PyBuffer::<u8>::get(&rows).map_err(|_| bad())?;
             if !buf.is_c_contiguous() {
@@ -130,7 +133,7 @@ impl ProjBuf {
                     "{name} must be C-contiguous"
                 )));
             }
-            parts.push((t, buf));
+            parts.push((t, buf, panels));
         }
         if parts.is_empty() {
             return Err(PyValueError::new_err(format!("{name} has no parts")));
@@ -157,11 +160,12 @@ impl ProjBuf {
             ProjBuf::Gguf(parts) => Proj::Gguf(
                 parts
                     .iter()
-                    .map(|(t, b)| GgufPart {
+                    .map(|(t, b, panels)| GgufPart {
                         t: *t,
                         // SAFETY: C-contiguous (checked in `get`); no writers: the
                         // caller's (above).
                         blocks: unsafe { super::gguf::bytes(b) },
+                        panels: *panels,
                     })
                     .collect(),
             ),

@@ -14,6 +14,17 @@ fn qtype(name: &str) -> PyResult<GgufType> {
     GgufType::from_name(name).map_err(|e| Error::from(e).into())
 }
 
+/// The elements of a row of `row_bytes` bytes of blocks of `t`, or an error.
+fn row_elems(t: GgufType, row_bytes: usize) -> PyResult<usize> {
+    let (elems, bytes) = t.block();
+    if !row_bytes.is_multiple_of(bytes) {
+        return Err(PyValueError::new_err(format!(
+            "raw rows of {row_bytes} bytes are not whole {t:?} blocks of {bytes}"
+        )));
+    }
+    Ok(row_bytes / bytes * elems)
+}
+
 /// The bytes of a uint8 [rows, row_bytes] buffer, borrowed for the call.
 ///
 /// SAFETY (for the caller): the slice lives as long as `buf` is held, and the
@@ -74,9 +85,29 @@ fn gguf_dequantize(
         .map_err(|e| Error::from(e).into())
 }
 
-/// The signature both GGUF matmul kernels share.
+/// The signature both GGUF matmul kernels share (the float one takes no layout).
 type GgufKernel =
-    fn(GgufType, usize, usize, &[f32], &[u8], usize, &mut [f32]) -> Result<(), KernelError>;
+    fn(GgufType, usize, usize, &[f32], &[u8], bool, usize, &mut [f32]) -> Result<(), KernelError>;
+
+/// `kernels::gguf_linear` as a `GgufKernel`: blocks in the GGUF layout only.
+#[allow(clippy::too_many_arguments)] // GgufKernel's operands
+fn float_kernel(
+    t: GgufType,
+    m: usize,
+    k: usize,
+    x: &[f32],
+    w: &[u8],
+    panels: bool,
+    num_threads: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if panels {
+        return Err(KernelError::Shape(
+            "gguf_linear reads the GGUF layout: unpack the panels first".into(),
+        ));
+    }
+    kernels::gguf_linear(t, m, k, x, w, num_threads, out)
+}
 
 /// `out = x · dequantize(w)ᵀ` on `kernel`, after checking the buffers.
 #[allow(clippy::too_many_arguments)] // the call's operands and its kernel
@@ -87,6 +118,7 @@ fn run_gguf_linear(
     out: &Bound<'_, PyAny>,
     x: &Bound<'_, PyAny>,
     w: &Bound<'_, PyAny>,
+    panels: bool,
     num_threads: usize,
 ) -> PyResult<()> {
     let t = qtype(qtype_name)?;
@@ -100,7 +132,7 @@ fn run_gguf_linear(
     let out = unsafe { out_slice!(out) };
     // SAFETY: the blocks are a model weight no thread writes during inference.
     let w = unsafe { bytes(&w) };
-    py.detach(|| kernel(t, m, k, &x, w, num_threads, out))
+    py.detach(|| kernel(t, m, k, &x, w, panels, num_threads, out))
         .map_err(|e| Error::from(e).into())
 }
 
@@ -118,14 +150,15 @@ fn gguf_linear(
     w: &Bound<'_, PyAny>,
     num_threads: usize,
 ) -> PyResult<()> {
-    run_gguf_linear(py, kernels::gguf_linear, qtype_name, out, x, w, num_threads)
+    run_gguf_linear(py, float_kernel, qtype_name, out, x, w, false, num_threads)
 }
 
 /// `out[m, n] = x[m, k] · dequantize(w)ᵀ` as `_gguf_linear`, for the block types
 /// (not F32/F16/BF16), with x rounded to int8 per 16 values and integer dot
-/// products (rust/kernels/gguf_int.rs). Private: same one caller, same contract.
+/// products (rust/kernels/gguf_int.rs); `w` in the panel layout when `panels`
+/// (`_gguf_pack_panels`). Private: same one caller, same contract.
 #[pyfunction(name = "_gguf_linear_int")]
-#[pyo3(signature = (qtype_name, out, x, w, num_threads))]
+#[pyo3(signature = (qtype_name, out, x, w, num_threads, panels=false))]
 fn gguf_linear_int(
     py: Python<'_>,
     qtype_name: &str,
@@ -133,16 +166,62 @@ fn gguf_linear_int(
     x: &Bound<'_, PyAny>,
     w: &Bound<'_, PyAny>,
     num_threads: usize,
+    panels: bool,
 ) -> PyResult<()> {
-    run_gguf_linear(
-        py,
-        kernels::gguf_linear_int,
-        qtype_name,
-        out,
-        x,
-        w,
-        num_threads,
-    )
+    let kernel = kernels::gguf_linear_int;
+    run_gguf_linear(py, kernel, qtype_name, out, x, w, panels, num_threads)
+}
+
+/// `raw` (uint8 [rows, row_bytes] blocks of `qtype`, a block type) into the
+/// panel layout the integer kernel reads fastest (rust/kernels/gguf_panels.rs),
+/// in place. Private: its one caller (`asyncllm.models.gguf.layers`) packs a
+/// layer's own buffer once, before any kernel reads it.
+#[pyfunction(name = "_gguf_pack_panels")]
+fn gguf_pack_panels(py: Python<'_>, qtype_name: &str, raw: &Bound<'_, PyAny>) -> PyResult<()> {
+    let t = qtype(qtype_name)?;
+    let raw = buffer::<u8>(raw, "raw", "uint8", 2)?;
+    if raw.readonly() {
+        return Err(PyValueError::new_err("raw must be writable"));
+    }
+    let k = row_elems(t, raw.shape()[1])?;
+    // SAFETY: C-contiguous (`buffer`), non-null, writable (checked) and valid for
+    // `item_count` bytes while held; the one caller's buffer is read by no
+    // other thread until this returns (see above).
+    let raw = unsafe { std::slice::from_raw_parts_mut(data_ptr(&raw), raw.item_count()) };
+    py.detach(|| kernels::gguf_pack_panels(t, k, raw))
+        .map_err(|e| Error::from(e).into())
+}
+
+/// Rows `ids` of `raw` (blocks of `qtype` in the panel layout) in the GGUF
+/// layout, into `out` (uint8 [len(ids), row_bytes]): for the float paths and the
+/// embedding's lookups. Private: `out` is a tensor its caller has just allocated.
+#[pyfunction(name = "_gguf_unpack_rows")]
+fn gguf_unpack_rows(
+    py: Python<'_>,
+    qtype_name: &str,
+    raw: &Bound<'_, PyAny>,
+    ids: Vec<usize>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let t = qtype(qtype_name)?;
+    let raw = buffer::<u8>(raw, "raw", "uint8", 2)?;
+    let out = buffer::<u8>(out, "out", "uint8", 2)?;
+    if out.readonly() {
+        return Err(PyValueError::new_err("out must be writable"));
+    }
+    let (o, r) = (byte_range(&out), byte_range(&raw));
+    if o.0 < r.1 && r.0 < o.1 {
+        return Err(PyValueError::new_err("out must not overlap raw"));
+    }
+    let k = row_elems(t, raw.shape()[1])?;
+    // SAFETY: C-contiguous (`buffer`), non-null, writable (checked), overlapping
+    // nothing read (checked), valid for `item_count` bytes while held, and just
+    // allocated by the one caller (see above).
+    let out = unsafe { std::slice::from_raw_parts_mut(data_ptr(&out), out.item_count()) };
+    // SAFETY: the blocks are a model buffer no thread writes during inference.
+    let raw = unsafe { bytes(&raw) };
+    py.detach(|| kernels::gguf_unpack_rows(t, k, raw, &ids, out))
+        .map_err(|e| Error::from(e).into())
 }
 
 /// The path `_gguf_linear_int` runs ("portable", "avx2", "avxvnni",
@@ -156,5 +235,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_linear, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_linear_int, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_pack_panels, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_unpack_rows, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_int_isa, m)?)
 }

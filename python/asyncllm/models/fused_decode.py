@@ -249,7 +249,8 @@ def _gguf_buckets(model: Any) -> frozenset[int] | None:
 def _projection(linear: Any) -> Any:
     """A projection's weight for the plan: its buffer, or its GGUF parts."""
     if isinstance(linear, GGUFLinear):
-        return [(qtype, raw.numpy()) for qtype, raw in linear.parts()]
+        parts = zip(linear.parts(), linear.panels, strict=True)
+        return [(qtype, raw.numpy(), panels) for (qtype, raw), panels in parts]
     return as_buffer(linear.weight.detach())
 
 

@@ -20,12 +20,16 @@ blocks, chosen per bucket of rows (`linear_kernels.BUCKETS`; measured at load by
 
 `GGUFEmbedding` gathers the rows of the tokens it is asked for and dequantizes
 only those. A tied LM head is a `GGUFLinear` over the embedding's very blocks.
+
+On the CPU the loader repacks the block types' bytes in place into the panel
+layout the integer kernel reads with plain vector loads (rust/kernels/
+gguf_panels.rs: 1.3-1.9x at one row, the same bits); the float paths and the
+embedding's lookups read rows back in the GGUF layout (`unpack_rows`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,16 @@ def default_kernels() -> tuple[str, ...]:
     return tuple("int" if rows <= DEFAULT_INT_ROWS else "tiles" for rows in BUCKETS)
 
 
+def unpack_rows(raw: torch.Tensor, qtype: str, ids: list[int] | None = None) -> torch.Tensor:
+    """Rows `ids` (all by default) of blocks in the panel layout, in the GGUF layout
+    (a new tensor). A slice of rows from a multiple of 16 to one, or to the end,
+    is itself in the panel layout."""
+    ids = list(range(raw.shape[0])) if ids is None else ids
+    out = torch.empty(len(ids), raw.shape[1], dtype=torch.uint8)
+    _core._gguf_unpack_rows(qtype, raw.numpy(), ids, out.numpy())
+    return out
+
+
 def bucket_index(rows: int) -> int:
     """The bucket a step of `rows` rows takes: the first >= rows, else the last."""
     return next((i for i, b in enumerate(BUCKETS) if rows <= b), len(BUCKETS) - 1)
@@ -67,8 +81,14 @@ class GGUFLinear(nn.Module):
     whose parts have different types keeps one part per type)."""
 
     def __init__(
-        self, parts: list[tuple[str, torch.Tensor]], in_features: int, bias: torch.Tensor | None
+        self,
+        parts: list[tuple[str, torch.Tensor]],
+        in_features: int,
+        bias: torch.Tensor | None,
+        panels: bool = False,
     ) -> None:
+        """`panels`: the block parts are already in the panel layout (a tied head
+        over a repacked embedding)."""
         super().__init__()
         if not parts:
             raise ValueError("a GGUFLinear needs at least one part")
@@ -80,8 +100,23 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"part{i}", raw, persistent=False)
         self.out_features = sum(raw.shape[0] for _, raw in parts)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.tile_rows = max(1, TILE_ELEMENTS // in_features)
+        # whole panels of 16 rows, so that every tile of a repacked part is
+        # itself in the panel layout
+        self.tile_rows = max(16, TILE_ELEMENTS // in_features // 16 * 16)
         self.kernels = default_kernels()
+        # per part: whether its blocks are in the panel layout
+        self.panels = tuple(panels and q in INT_TYPES for q in self.qtypes)
+
+    def pack_panels(self) -> None:
+        """Repack the block parts on the CPU into the panel layout, in place (once;
+        the buffers' other holders, a tied embedding, must know)."""
+        flags = []
+        for (qtype, raw), packed in zip(self.parts(), self.panels, strict=True):
+            if not packed and qtype in INT_TYPES and raw.device.type == "cpu":
+                _core._gguf_pack_panels(qtype, raw.numpy())
+                packed = True
+            flags.append(packed)
+        self.panels = tuple(flags)
 
     def set_kernels(self, kernels: tuple[str, ...]) -> None:
         """One kernel of GGUF_KERNELS per bucket of BUCKETS."""
@@ -94,7 +129,8 @@ class GGUFLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole float weight [out, in] (tests, and a bf16 copy for benchmarks)."""
-        return torch.cat([dequantize(raw, q) for q, raw in self.parts()]).to(dtype)
+        parts = zip(self.parts(), self.panels, strict=True)
+        return torch.cat([dequantize(_plain(raw, q, p), q) for (q, raw), p in parts]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -107,15 +143,18 @@ class GGUFLinear(nn.Module):
         """x · Wᵀ + b for `rows` [m, in] by `kernel` (one of GGUF_KERNELS; int and
         float on the CPU only)."""
         outs = []
-        for qtype, raw in self.parts():
+        for (qtype, raw), panels in zip(self.parts(), self.panels, strict=True):
+            if kernel == "int" and qtype in INT_TYPES:
+                outs.append(_fused(_core._gguf_linear_int, qtype, rows, raw, panels))
+                continue
             if kernel in ("int", "float"):
-                fn = _core._gguf_linear_int if kernel == "int" and qtype in INT_TYPES else None
-                outs.append(_fused(fn or _core._gguf_linear, qtype, rows, raw))
+                outs.append(_fused(_core._gguf_linear, qtype, rows, _plain(raw, qtype, panels)))
                 continue
             dtype = torch.bfloat16 if kernel == "tiles_bf16" else rows.dtype
             x = rows if rows.dtype == dtype else rows.to(dtype)
             for start in range(0, raw.shape[0], self.tile_rows):
-                w = dequantize(raw[start : start + self.tile_rows], qtype)
+                tile = _plain(raw[start : start + self.tile_rows], qtype, panels)
+                w = dequantize(tile, qtype)
                 outs.append(F.linear(x, w if x.dtype == w.dtype else w.to(dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if out.dtype != rows.dtype:
@@ -128,16 +167,27 @@ class GGUFLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, types={self.qtypes}"
 
 
+def _plain(raw: torch.Tensor, qtype: str, panels: bool) -> torch.Tensor:
+    """Blocks in the GGUF layout: `raw` itself, or unpacked from the panel layout."""
+    return unpack_rows(raw, qtype) if panels else raw
+
+
 def _fused(
-    fn: Callable[[str, Any, Any, Any, int], None],
+    fn: Callable[..., None],
     qtype: str,
     rows: torch.Tensor,
     raw: torch.Tensor,
+    panels: bool = False,
 ) -> torch.Tensor:
-    """x · Wᵀ by one of the extension's kernels on the blocks (float32 in and out)."""
+    """x · Wᵀ by one of the extension's kernels on the blocks (float32 in and out);
+    only the integer kernel reads the panel layout."""
     x = rows.float().contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
-    fn(qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads())
+    args = (qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads())
+    if panels:
+        fn(*args, panels=True)
+    else:
+        fn(*args)
     return out if rows.dtype == torch.float32 else out.to(rows.dtype)
 
 
@@ -152,14 +202,24 @@ class GGUFEmbedding(nn.Module):
         self.num_embeddings = raw.shape[0]
         self.raw: torch.Tensor
         self.register_buffer("raw", raw, persistent=False)
+        self.panels = False
+
+    def pack_panels(self) -> None:
+        """Repack the blocks into the panel layout in place (a tied head's kernel
+        reads them every step; a lookup reads its few rows back), on the CPU."""
+        if not self.panels and self.qtype in INT_TYPES and self.raw.device.type == "cpu":
+            _core._gguf_pack_panels(self.qtype, self.raw.numpy())
+            self.panels = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.raw[input_ids.reshape(-1)], self.qtype).to(self.dtype)
+        ids = input_ids.reshape(-1)
+        raw = unpack_rows(self.raw, self.qtype, ids.tolist()) if self.panels else self.raw[ids]
+        rows = dequantize(raw, self.qtype).to(self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def as_linear(self) -> GGUFLinear:
         """The tied LM head: the same blocks (no copy), as a linear layer."""
-        return GGUFLinear([(self.qtype, self.raw)], self.embedding_dim, None)
+        return GGUFLinear([(self.qtype, self.raw)], self.embedding_dim, None, self.panels)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.qtype}"

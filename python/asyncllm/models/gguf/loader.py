@@ -66,6 +66,7 @@ def load_gguf_model(
             param.copy_(tensor)
     embed = model.embed_tokens
     if model.lm_head is None and isinstance(embed, GGUFEmbedding):
+        embed.pack_panels()  # the tied head's kernel reads the panel layout
         model.logits_head = embed.as_linear()
     elif isinstance(model.lm_head, GGUFLinear):
         model.logits_head = model.lm_head
@@ -99,6 +100,7 @@ def _quantized_linears(
         if module.bias is not None:
             bias = torch.cat([tensors.float(s) for s in sources[f"{path}.bias"]]).to(device, dtype)
         layer = GGUFLinear(parts, module.in_features, bias)
+        layer.pack_panels()
         if layer.out_features != module.out_features:
             raise ModelLoadError(
                 f"GGUF tensors {', '.join(srcs)} have {layer.out_features} rows, the config "
