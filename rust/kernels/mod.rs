@@ -21,6 +21,7 @@ mod gguf_panel;
 #[cfg(target_arch = "x86_64")]
 mod gguf_panel_x86;
 mod gguf_panels;
+mod gguf_q8;
 mod linear;
 #[cfg(target_arch = "x86_64")]
 mod linear_dpbf16;
