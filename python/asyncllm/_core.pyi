@@ -590,11 +590,12 @@ def _lora_add(
     before anything is written. Private: the one caller (asyncllm.lora.kernel) promises y is a fresh
     output and nothing writes x, a or b meanwhile."""
 
-def _gguf_dequantize(qtype_name: str, raw: _Buffer, out: _Buffer) -> None:
+def _gguf_dequantize(qtype_name: str, raw: _Buffer, out: _Buffer, panels: bool = False) -> None:
     """out[rows, k] = the GGUF blocks raw[rows, row_bytes] (uint8) of type
     `qtype_name` ("Q4_0", "Q4_K", "F16", ...) dequantized to float32, equal to
-    gguf-py's `dequantize` bit for bit (rust/kernels/gguf.rs). Raises ValueError
-    on an unknown type or a shape that is not whole blocks, before writing."""
+    gguf-py's `dequantize` bit for bit (rust/kernels/gguf.rs); `raw` in the panel
+    layout when `panels` (`_gguf_pack_panels`). Raises ValueError on an unknown
+    type or a shape that is not whole blocks, before writing."""
 
 def _gguf_linear(qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int) -> None:
     """out[m, n] = x[m, k] . dequantize(w)[n, k]^T for GGUF blocks w [n, row_bytes]

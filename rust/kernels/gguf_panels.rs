@@ -64,13 +64,8 @@ fn rows_of(t: GgufType, k: usize, len: usize) -> Result<(usize, usize), KernelEr
     Ok((len / rb, rb))
 }
 
-/// The byte of panel-block `(lane, word)` and of lane `lane`'s `d`, relative to the
-/// panel-block's start, for a body of `body` bytes.
-#[inline(always)]
-fn word_at(word: usize, lane: usize) -> usize {
-    64 * word + 4 * lane
-}
-
+/// The byte of lane `lane`'s `d` relative to the panel-block's start, for a body
+/// of `body` bytes (word `t` of the lane is at `64t + 4 lane`).
 #[inline(always)]
 fn d_at(body: usize, lane: usize) -> usize {
     PANEL * body + 2 * lane
@@ -87,8 +82,11 @@ pub fn pack(t: GgufType, k: usize, w: &mut [u8]) -> Result<(), KernelError> {
         for (b, dst) in panel.chunks_exact_mut(PANEL * bytes).enumerate() {
             for lane in 0..PANEL {
                 let block = &plain[lane * rb + b * bytes..][..bytes];
-                for (word, src) in block[skip..skip + body].chunks_exact(4).enumerate() {
-                    dst[word_at(word, lane)..][..4].copy_from_slice(src);
+                let words = dst
+                    .chunks_exact_mut(64)
+                    .zip(block[skip..skip + body].chunks_exact(4));
+                for (line, src) in words {
+                    line[4 * lane..4 * lane + 4].copy_from_slice(src);
                 }
                 if let Some(d) = d {
                     dst[d_at(body, lane)..][..2].copy_from_slice(&block[d..d + 2]);
@@ -102,26 +100,59 @@ pub fn pack(t: GgufType, k: usize, w: &mut [u8]) -> Result<(), KernelError> {
 /// Row `r` of `w` (in the panel layout) in the GGUF layout, into `out`
 /// (`row_bytes` bytes).
 fn row(t: GgufType, rb: usize, n: usize, w: &[u8], r: usize, out: &mut [u8]) {
-    let Ok((bytes, skip, body, d)) = shape(t) else {
-        return;
-    };
     if r >= n / PANEL * PANEL {
         out.copy_from_slice(&w[r * rb..(r + 1) * rb]);
         return;
     }
-    let (panel, lane) = (r / PANEL, r % PANEL);
-    let panel = &w[panel * PANEL * rb..(panel + 1) * PANEL * rb];
+    let panel = &w[r / PANEL * PANEL * rb..(r / PANEL + 1) * PANEL * rb];
+    lane_row(t, panel, r % PANEL, out);
+}
+
+/// Lane `lane` of a whole panel in the GGUF layout, into `out` (one row).
+fn lane_row(t: GgufType, panel: &[u8], lane: usize, out: &mut [u8]) {
+    let Ok((bytes, skip, body, d)) = shape(t) else {
+        return;
+    };
     for (src, block) in panel
         .chunks_exact(PANEL * bytes)
         .zip(out.chunks_exact_mut(bytes))
     {
-        for word in 0..body / 4 {
-            block[skip + 4 * word..][..4].copy_from_slice(&src[word_at(word, lane)..][..4]);
+        // word t of the lane is bytes 4 lane.. of the panel-block's 64-byte line t
+        let words = src
+            .chunks_exact(64)
+            .zip(block[skip..skip + body].chunks_exact_mut(4));
+        for (line, dst) in words {
+            dst.copy_from_slice(&line[4 * lane..4 * lane + 4]);
         }
         if let Some(d) = d {
             block[d..d + 2].copy_from_slice(&src[d_at(body, lane)..][..2]);
         }
     }
+}
+
+/// Rows of `w` (rows of `k` elements of `t` in the panel layout) dequantized into
+/// `out` (`[rows, k]`), equal to `gguf::dequantize` of the GGUF layout: each panel
+/// is unpacked into a cache-resident buffer first, so the weight is read once.
+pub fn dequantize(t: GgufType, k: usize, w: &[u8], out: &mut [f32]) -> Result<(), KernelError> {
+    let (n, rb) = rows_of(t, k, w.len())?;
+    shape(t)?;
+    if out.len() != n * k {
+        return Err(KernelError::Shape(format!(
+            "dequantize {t:?}: {n} rows of {k} need {} elements, out has {}",
+            n * k,
+            out.len()
+        )));
+    }
+    let whole = n / PANEL * PANEL;
+    let mut plain = vec![0u8; PANEL * rb];
+    let panels = w[..whole * rb].chunks_exact(PANEL * rb);
+    for (panel, o) in panels.zip(out.chunks_exact_mut(PANEL * k)) {
+        for (lane, dst) in plain.chunks_exact_mut(rb).enumerate() {
+            lane_row(t, panel, lane, dst);
+        }
+        super::gguf::dequantize(t, k, &plain, o)?;
+    }
+    super::gguf::dequantize(t, k, &w[whole * rb..], &mut out[whole * k..])
 }
 
 /// Rows `ids` of `w` (rows of `k` elements of `t` in the panel layout) in the

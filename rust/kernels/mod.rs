@@ -52,7 +52,7 @@ pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_int::{gguf_int_isa, gguf_linear_int};
 pub use gguf_linear::gguf_linear;
 pub use gguf_panels::{
-    pack as gguf_pack_panels, unpack_rows as gguf_unpack_rows, PANEL as GGUF_PANEL,
+    dequantize as gguf_dequantize_panels, pack as gguf_pack_panels, unpack_rows as gguf_unpack_rows,
 };
 pub use linear::{linear, linear_isa, Elem, LinearShape};
 pub use lora::{lora_add, LoraLayout, LoraShape};

@@ -2,9 +2,9 @@
 //! GGUF layout exactly), and the integer kernel reads it to the same bits as the
 //! GGUF layout on every path, with whole panels, a tail of plain rows, or none.
 
-use super::gguf::GgufType;
+use super::gguf::{dequantize as dequantize_plain, GgufType};
 use super::gguf_int::{run, QuantIsa};
-use super::gguf_panels::{pack, unpack_rows, PANEL};
+use super::gguf_panels::{dequantize, pack, unpack_rows, PANEL};
 use super::tests_gguf_int::{blocks, xs, Rng, INT_TYPES};
 
 #[test]
@@ -30,6 +30,27 @@ fn every_row_unpacks_to_its_gguf_bytes() {
                     "{t:?} row {r}"
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn panels_dequantize_to_the_same_bits() {
+    let k = 512;
+    let mut rng = Rng(17);
+    for t in INT_TYPES {
+        for n in [5, 16, 37] {
+            let plain = blocks(t, n, k, &mut rng);
+            let mut w = plain.clone();
+            pack(t, k, &mut w).unwrap();
+            let (mut want, mut got) = (vec![0.0; n * k], vec![f32::NAN; n * k]);
+            dequantize_plain(t, k, &plain, &mut want).unwrap();
+            dequantize(t, k, &w, &mut got).unwrap();
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{t:?} n={n}");
         }
     }
 }

@@ -63,14 +63,17 @@ macro_rules! out_slice {
 }
 
 /// `out[rows, k] = dequantize(raw[rows, row_bytes])` for GGUF type `qtype`
-/// ("Q4_K", ...), equal to gguf-py's `dequantize` bit for bit. Private: its one
+/// ("Q4_K", ...), equal to gguf-py's `dequantize` bit for bit; `raw` in the panel
+/// layout when `panels`. Private: its one
 /// caller (`asyncllm.models.gguf.dequant`) passes a tensor it has just allocated.
 #[pyfunction(name = "_gguf_dequantize")]
+#[pyo3(signature = (qtype_name, raw, out, panels=false))]
 fn gguf_dequantize(
     py: Python<'_>,
     qtype_name: &str,
     raw: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
+    panels: bool,
 ) -> PyResult<()> {
     let t = qtype(qtype_name)?;
     let raw = buffer::<u8>(raw, "raw", "uint8", 2)?;
@@ -81,7 +84,12 @@ fn gguf_dequantize(
     let out = unsafe { out_slice!(out) };
     // SAFETY: the blocks are a model buffer no thread writes during inference.
     let raw = unsafe { bytes(&raw) };
-    py.detach(|| kernels::gguf_dequantize(t, k, raw, out))
+    let decode = if panels {
+        kernels::gguf_dequantize_panels
+    } else {
+        kernels::gguf_dequantize
+    };
+    py.detach(|| decode(t, k, raw, out))
         .map_err(|e| Error::from(e).into())
 }
 

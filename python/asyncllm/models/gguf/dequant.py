@@ -175,14 +175,17 @@ def row_bytes(qtype: str, cols: int) -> int:
     return cols // block * size
 
 
-def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Rows of raw blocks uint8 [rows, row_bytes] -> float32 [rows, cols]."""
+def dequantize(raw: torch.Tensor, qtype: str, panels: bool = False) -> torch.Tensor:
+    """Rows of raw blocks uint8 [rows, row_bytes] -> float32 [rows, cols]; `panels`:
+    the blocks are in the integer kernel's panel layout (CPU only)."""
     if raw.device.type != "cpu":
+        if panels:
+            raise ValueError("the panel layout exists on the CPU only")
         return dequantize_torch(raw, qtype)
     block, size = BLOCK_SIZES[qtype]
     raw = raw.contiguous()
     out = torch.empty(raw.shape[0], raw.shape[1] // size * block)
-    _core._gguf_dequantize(qtype, raw.numpy(), out.numpy())
+    _core._gguf_dequantize(qtype, raw.numpy(), out.numpy(), panels)
     return out
 
 

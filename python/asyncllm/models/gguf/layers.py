@@ -130,7 +130,7 @@ class GGUFLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole float weight [out, in] (tests, and a bf16 copy for benchmarks)."""
         parts = zip(self.parts(), self.panels, strict=True)
-        return torch.cat([dequantize(_plain(raw, q, p), q) for (q, raw), p in parts]).to(dtype)
+        return torch.cat([dequantize(raw, q, p) for (q, raw), p in parts]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -153,8 +153,7 @@ class GGUFLinear(nn.Module):
             dtype = torch.bfloat16 if kernel == "tiles_bf16" else rows.dtype
             x = rows if rows.dtype == dtype else rows.to(dtype)
             for start in range(0, raw.shape[0], self.tile_rows):
-                tile = _plain(raw[start : start + self.tile_rows], qtype, panels)
-                w = dequantize(tile, qtype)
+                w = dequantize(raw[start : start + self.tile_rows], qtype, panels)
                 outs.append(F.linear(x, w if x.dtype == w.dtype else w.to(dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if out.dtype != rows.dtype:
