@@ -25,6 +25,7 @@ mod linear;
 mod linear_dpbf16;
 mod linear_simd;
 mod lora;
+mod lora_tile;
 mod paged_attention;
 mod peak;
 mod rotary;
@@ -39,6 +40,8 @@ mod tests_gguf;
 mod tests_gguf_int;
 #[cfg(test)]
 mod tests_linear;
+#[cfg(test)]
+mod tests_lora;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
 pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
