@@ -44,8 +44,8 @@ mod tests_linear;
 mod tests_lora;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
-pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
-pub use decode_proj::{GgufPart, Proj};
+pub use decode_layers::{decode_layers, Adapters, CacheMut, DecodeDims, DecodeStep, LayerWeights};
+pub use decode_proj::{GgufPart, Proj, ProjLora};
 pub use elementwise::{add_rms_norm, rms_norm};
 pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_int::{gguf_int_isa, gguf_linear_int};

@@ -42,7 +42,7 @@ def lora_add_rust(
     b_buf: np.ndarray,
     token_slot: np.ndarray,
     parts: list[int],
-    ranks: list[int],
+    ranks: np.ndarray | list[int],
     num_threads: int,
 ) -> torch.Tensor:
     """y + the adapters' products, added into `y` itself (a fresh output of the
