@@ -575,7 +575,7 @@ def _lora_add(
     b: _Buffer,
     token_slot: _Buffer,
     parts: list[int],
-    ranks: Sequence[int] | _np.ndarray,
+    ranks: _Buffer,
     num_threads: int,
 ) -> None:
     """y[t] += (x[t] . A[s]) . B[s] for each token t whose slot s = token_slot[t]
@@ -584,7 +584,7 @@ def _lora_add(
     [slots * width, n] share a dtype: float32, or bfloat16 as its bits (int16).
     `parts`: the output sizes of the fused projections; width is as many equal rank
     blocks, and B is read only in its diagonal blocks (block p's rows in part p's
-    columns). `ranks`: each slot's rank in this layer (at most a block; 0: the slot
+    columns). `ranks` (int64): each slot's rank in this layer (at most a block; 0: the slot
     adds nothing), the padded columns past it never read. Raises ValueError on a
     wrong dtype, shape, layout, part, rank or slot,
     before anything is written. Private: the one caller (asyncllm.lora.kernel) promises y is a fresh
