@@ -145,9 +145,11 @@ def bench_kernels(rounds: int) -> None:
                 for s in sorted(set(slots.tolist()))
             )
             single = 0 if tokens == 1 else None
-            ranks = [16] * 8  # rank-16 adapters in every slot: no padding
+            ranks = np.full(8, 16, dtype=np.int64)  # rank-16 adapters in every slot: no padding
             rust = partial(lora_add_rust, y, x, a_buf, b_buf, slots, parts, ranks, threads)
-            whole = partial(lora_add_rust, y, x, a_buf, b_buf, slots, [n], [width] * 8, threads)
+            whole = partial(
+                lora_add_rust, y, x, a_buf, b_buf, slots, [n], ranks * len(parts), threads
+            )
             fns = {
                 "rust": lambda rust=rust, y=y: rust_on_copy(rust, y),
                 "whole": lambda whole=whole, y=y: rust_on_copy(whole, y),

@@ -1,6 +1,7 @@
 """PEFT adapters for tests: written with the `peft` package itself from random
 initialisation, with B made non-zero (PEFT starts B at zero, which would make every
-adapter the base model), and transformers + peft's own greedy output as the reference.
+adapter the base model), and transformers + peft's own greedy output as the reference;
+`AdapterCase`, a tiny model with its adapters and references, as the LoRA tests share.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from asyncllm import LLM, LoRARequest
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -60,3 +63,40 @@ def peft_greedy(
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir)
     return hf_greedy(model_dir, prompts, max_tokens, model=model)
+
+
+class AdapterCase:
+    """A tiny model (`tiny_models.make_tiny_model(arch, **config)`), one adapter per
+    entry of `adapters` (`make_adapter`'s keywords; seeds from `seed` up, adapter i
+    served as `loras[i]`, LoRA id i + 1) and transformers + peft's greedy outputs
+    of `prompts`: the base model's (`base_ref`) and each adapter's (`refs[i]`)."""
+
+    def __init__(
+        self,
+        root: Path,
+        arch: str,
+        config: dict[str, Any],
+        adapters: list[dict[str, Any]],
+        *,
+        seed: int,
+        prompts: list[list[int]],
+        max_tokens: int,
+    ) -> None:
+        from tiny_models import make_tiny_model
+
+        self.model_dir = make_tiny_model(root / "model", arch, **config)
+        self.loras = []
+        for i, kw in enumerate(adapters):
+            path = make_adapter(self.model_dir, root / f"adapter{i}", seed=seed + i, **kw)
+            self.loras.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
+        self.base_ref = peft_greedy(self.model_dir, None, prompts, max_tokens)
+        self.refs = [
+            peft_greedy(self.model_dir, Path(lora.lora_path), prompts, max_tokens)
+            for lora in self.loras
+        ]
+
+    def llm(self, **engine_args: Any) -> LLM:
+        """An in-process float32 engine on the model with LoRA on (rank up to 16)
+        and `engine_args` (max_loras, tensor_parallel_size, ...)."""
+        args = dict(enable_lora=True, max_lora_rank=16) | engine_args
+        return LLM(str(self.model_dir), multiprocess=False, dtype="float32", **args)

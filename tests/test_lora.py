@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from lora_adapters import make_adapter, peft_greedy
+from lora_adapters import AdapterCase, make_adapter
 
-from asyncllm import LLM, LoRARequest, SamplingParams
+from asyncllm import LoRARequest, SamplingParams
 from asyncllm.errors import ConfigError, InvalidRequestError
 from tiny_models import make_tiny_model
 
@@ -45,30 +45,13 @@ ADAPTERS = [
 ]
 
 
-class Case:
-    """A tiny model, its eight adapters and peft's greedy outputs for each."""
-
-    def __init__(self, root: Path, name: str) -> None:
-        cfg = dict(CONFIGS[name])
-        self.model_dir = make_tiny_model(root / "model", cfg.pop("arch"), **cfg)
-        self.loras = []
-        for i, kw in enumerate(ADAPTERS):
-            path = make_adapter(self.model_dir, root / f"adapter{i}", seed=100 + i, **kw)  # type: ignore[arg-type]
-            self.loras.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
-        self.base_ref = peft_greedy(self.model_dir, None, PROMPTS, MAX_TOKENS)
-        self.refs = [
-            peft_greedy(self.model_dir, Path(lora.lora_path), PROMPTS, MAX_TOKENS)
-            for lora in self.loras
-        ]
-
-    def llm(self, **kw: object) -> LLM:
-        args = dict(enable_lora=True, max_loras=8, max_lora_rank=16) | kw
-        return LLM(str(self.model_dir), multiprocess=False, dtype="float32", **args)
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    return Case(tmp_path_factory.mktemp(request.param), request.param)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AdapterCase:
+    """A tiny model of one config, its eight adapters and peft's greedy outputs."""
+    cfg = dict(CONFIGS[request.param])
+    arch = str(cfg.pop("arch"))
+    root = tmp_path_factory.mktemp(request.param)
+    return AdapterCase(root, arch, cfg, ADAPTERS, seed=100, prompts=PROMPTS, max_tokens=MAX_TOKENS)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -78,13 +61,13 @@ def _tokens(outputs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_adapters_differ_from_the_base(case: Case) -> None:
+def test_adapters_differ_from_the_base(case: AdapterCase) -> None:
     """The references themselves: an adapter that changed nothing would test nothing."""
     assert all(ref != case.base_ref for ref in case.refs)
 
 
-def test_each_adapter_alone_equals_peft(case: Case) -> None:
-    llm = case.llm()
+def test_each_adapter_alone_equals_peft(case: AdapterCase) -> None:
+    llm = case.llm(max_loras=8)
     try:
         for lora, ref in zip(case.loras, case.refs, strict=True):
             assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=lora)) == ref, lora
@@ -94,7 +77,7 @@ def test_each_adapter_alone_equals_peft(case: Case) -> None:
 
 
 @pytest.mark.parametrize("max_loras", [8, 3])
-def test_a_batch_mixing_eight_adapters_and_base_rows(case: Case, max_loras: int) -> None:
+def test_a_batch_mixing_eight_adapters_and_base_rows(case: AdapterCase, max_loras: int) -> None:
     """Every prompt under every adapter and the base model, in one generate call:
     with max_loras=3 the scheduler holds requests back until a slot frees."""
     prompts, loras, expected = [], [], []
@@ -112,7 +95,7 @@ def test_a_batch_mixing_eight_adapters_and_base_rows(case: Case, max_loras: int)
         llm.shutdown()
 
 
-def test_merged_adapter_equals(case: Case, tmp_path: Path) -> None:
+def test_merged_adapter_equals(case: AdapterCase, tmp_path: Path) -> None:
     """peft's merge_and_unload of one adapter, saved as a plain model, gives the same
     tokens as serving the adapter over the base."""
     from peft import PeftModel
@@ -151,14 +134,14 @@ def _rename_module(src: Path, dst: Path) -> Path:
 
 
 def test_adapters_that_do_not_fit_are_refused_and_the_engine_serves_on(
-    case: Case, tmp_path: Path
+    case: AdapterCase, tmp_path: Path
 ) -> None:
     big = make_adapter(case.model_dir, tmp_path / "big", seed=1, r=32)
     other = make_tiny_model(tmp_path / "other", "llama", hidden_size=32, head_dim=8)
     wrong_shape = make_adapter(other, tmp_path / "wrong_shape", seed=2, r=4)
     renamed = _rename_module(Path(case.loras[0].lora_path), tmp_path / "renamed")
     dora = _rewrite_config(Path(case.loras[0].lora_path), tmp_path / "dora", use_dora=True)
-    llm = case.llm()
+    llm = case.llm(max_loras=8)
     bad = [
         (big, "r=32 is above EngineArgs.max_lora_rank=16"),
         (wrong_shape, "do not fit the layer"),

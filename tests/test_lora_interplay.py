@@ -1,9 +1,12 @@
 """LoRA with the engine's other features: overlap scheduling and n-gram speculative
-decoding give peft's greedy tokens; structured output holds under an adapter;
-quantized base weights take adapters; prefix-cache keys keep adapters apart; what
-is not supported is refused by name at start."""
+decoding give peft's greedy tokens; the fused decode step serves adapted rows with
+the torch path's numbers; structured output holds under an adapter; quantized base
+weights take adapters; prefix-cache keys keep adapters apart; what is not
+supported is refused by name at start."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from lora_adapters import make_adapter, peft_greedy
@@ -61,6 +64,58 @@ def test_ngram_speculative_decoding(setup: dict) -> None:
         _mixed(llm, setup)
     finally:
         llm.shutdown()
+
+
+def _fused_calls(llm: LLM) -> list[int]:
+    """A counter of the fused decode step's calls (stays [0] without one)."""
+    calls = [0]
+    fused = llm.engine.core.runner.model.fused_decode
+    if fused is not None:
+        plan = fused.plan
+
+        class Counting:
+            def run(self, *args: Any) -> None:
+                calls[0] += 1
+                plan.run(*args)
+
+        fused.plan = Counting()
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_serves_adapted_rows_as_the_torch_path(setup: dict, dtype: str) -> None:
+    """Decode steps with adapted (and base) rows stay on the fused decode step, which
+    adds the adapters by the torch path's kernel: the same tokens and logprobs as
+    with fused decode off (float32: peft's tokens; bfloat16: within its rounding)."""
+    loras = setup["loras"]
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    per = [lora for _ in PROMPTS for lora in (*loras, None)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    runs = []
+    for fused in (True, False):
+        # the same products on both paths (linear_kernel): only fusion differs
+        llm = _llm(setup, dtype=dtype, fused_decode=fused, linear_kernel="rust")
+        try:
+            calls = _fused_calls(llm)
+            outs = [o.outputs[0] for o in llm.generate(prompts, params, lora_request=per)]
+        finally:
+            llm.shutdown()
+        runs.append((calls[0], outs))
+    (calls, got), (_, want) = runs
+    assert calls >= MAX_TOKENS - 1  # every decode step fused
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if dtype == "float32":
+        refs = setup["refs"]
+        base = [list(o.token_ids) for o in want[2::3]]
+        assert [list(o.token_ids) for o in got] == [
+            ids for p in range(len(PROMPTS)) for ids in (refs[0][p], refs[1][p], base[p])
+        ]
+    tol = 1e-5 if dtype == "float32" else 0.02
+    for a, b in zip(got, want, strict=True):
+        for pa, pb in zip(a.logprobs, b.logprobs, strict=True):
+            assert pa.keys() == pb.keys()
+            for t in pa:
+                assert pa[t].logprob == pytest.approx(pb[t].logprob, abs=tol)
 
 
 def test_structured_output_under_an_adapter(setup: dict) -> None:

@@ -16,7 +16,7 @@ from asyncllm.models.linear_kernels import as_buffer
 
 SLOTS, K, WIDTH, N = 4, 40, 24, 52
 PARTS = [20, 16, 16]  # three fused projections' outputs: rank blocks of 8
-FULL = [8] * SLOTS  # every slot's rank: the whole block
+FULL = np.full(SLOTS, 8, dtype=np.int64)  # every slot's rank: the whole block
 
 
 def _operands(dtype: torch.dtype, tokens: int, seed: int = 0):
@@ -111,7 +111,10 @@ def test_rust_kernel_checks_before_writing() -> None:
     with pytest.raises(ValueError, match=r"parts \[20, 16\] must split n=52"):
         _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), [20, 16], FULL, 1)
     with pytest.raises(ValueError, match="a rank of at most 8"):
-        _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), PARTS, [9] * SLOTS, 1)
+        high = np.full(SLOTS, 9, dtype=np.int64)
+        _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), PARTS, high, 1)
+    with pytest.raises(ValueError, match="a negative rank"):
+        _core._lora_add(yb, xb, a_buf, b_buf, np.zeros(3, np.int64), PARTS, -FULL, 1)
     with pytest.raises(ValueError, match="share a dtype"):
         xh = as_buffer(x.bfloat16())
         _core._lora_add(yb, xh, a_buf, b_buf, np.zeros(3, np.int64), PARTS, FULL, 1)

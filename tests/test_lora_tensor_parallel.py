@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lora_adapters import make_adapter, peft_greedy
+from lora_adapters import AdapterCase, make_adapter, peft_greedy
 
-from asyncllm import LLM, AsyncLLM, EngineArgs, LoRARequest, SamplingParams
+from asyncllm import AsyncLLM, EngineArgs, LoRARequest, SamplingParams
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,37 +40,12 @@ def _tokens(outputs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-class Case:
-    """A tiny Llama, its adapters and peft's greedy outputs for each."""
-
-    def __init__(self, root: Path, name: str) -> None:
-        self.model_dir = make_tiny_model(root / "model", "llama", **CONFIGS[name])  # type: ignore[arg-type]
-        self.loras = []
-        for i, kw in enumerate(ADAPTERS):
-            path = make_adapter(self.model_dir, root / f"adapter{i}", seed=200 + i, **kw)  # type: ignore[arg-type]
-            self.loras.append(LoRARequest(f"adapter{i}", i + 1, str(path)))
-        self.base_ref = peft_greedy(self.model_dir, None, PROMPTS, MAX_TOKENS)
-        self.refs = [
-            peft_greedy(self.model_dir, Path(lora.lora_path), PROMPTS, MAX_TOKENS)
-            for lora in self.loras
-        ]
-        assert all(ref != self.base_ref for ref in self.refs)
-
-    def llm(self, tp: int) -> LLM:
-        return LLM(
-            str(self.model_dir),
-            multiprocess=False,
-            dtype="float32",
-            tensor_parallel_size=tp,
-            enable_lora=True,
-            max_loras=2,  # fewer slots than adapters: slots are rewritten
-            max_lora_rank=16,
-        )
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_ranks_give_one_ranks_and_peft_tokens(name: str, tmp_path: Path) -> None:
-    case = Case(tmp_path, name)
+    case = AdapterCase(
+        tmp_path, "llama", CONFIGS[name], ADAPTERS, seed=200, prompts=PROMPTS, max_tokens=MAX_TOKENS
+    )
+    assert all(ref != case.base_ref for ref in case.refs)
     prompts, loras, expected = [], [], []
     for p, prompt in enumerate(PROMPTS):
         for a in [None, *range(len(case.loras)), None]:
@@ -79,7 +54,8 @@ def test_two_ranks_give_one_ranks_and_peft_tokens(name: str, tmp_path: Path) -> 
             expected.append(case.base_ref[p] if a is None else case.refs[a][p])
     mixed = {}
     for tp in (1, 2):
-        llm = case.llm(tp)
+        # fewer slots than adapters: slots are rewritten
+        llm = case.llm(tensor_parallel_size=tp, max_loras=2)
         core = llm.engine.core
         assert core is not None
         try:

@@ -575,7 +575,7 @@ def _lora_add(
     b: _Buffer,
     token_slot: _Buffer,
     parts: list[int],
-    ranks: list[int],
+    ranks: _Buffer,
     num_threads: int,
 ) -> None:
     """y[t] += (x[t] . A[s]) . B[s] for each token t whose slot s = token_slot[t]
@@ -584,7 +584,7 @@ def _lora_add(
     [slots * width, n] share a dtype: float32, or bfloat16 as its bits (int16).
     `parts`: the output sizes of the fused projections; width is as many equal rank
     blocks, and B is read only in its diagonal blocks (block p's rows in part p's
-    columns). `ranks`: each slot's rank in this layer (at most a block; 0: the slot
+    columns). `ranks` (int64): each slot's rank in this layer (at most a block; 0: the slot
     adds nothing), the padded columns past it never read. Raises ValueError on a
     wrong dtype, shape, layout, part, rank or slot,
     before anything is written. Private: the one caller (asyncllm.lora.kernel) promises y is a fresh
@@ -639,13 +639,15 @@ def _linear_isa() -> str:
 class _DecodePlan:
     """Every decoder layer of a Llama-shaped model for one-call decode steps
     (rust/kernels/decode_layers.rs, asyncllm.models.fused_decode). `layers`: per
-    layer (input_norm, qkv, qkv_bias or None, o, post_norm, gate_up, down, kv_cache)
-    as buffers: weights float32 or bfloat16 bits (int16), one dtype for all, or a
-    projection's GGUF parts as a list of (qtype, uint8 rows, panel layout); the bias
-    float32; the cache [2, num_blocks, block_size, num_kv_heads, head_dim] float32 or
-    bfloat16 bits. The plan holds them for its lifetime and reads them with the GIL
-    released: no other thread may write them meanwhile. Raises ValueError on a
-    dtype or shape problem."""
+    layer (input_norm, qkv, qkv_bias or None, o, post_norm, gate_up, down, kv_cache[,
+    adapters]) as buffers: weights float32 or bfloat16 bits (int16), one dtype for
+    all, or a projection's GGUF parts as a list of (qtype, uint8 rows, panel layout);
+    the bias float32; the cache [2, num_blocks, block_size, num_kv_heads, head_dim]
+    float32 or bfloat16 bits; `adapters` (LoRA), for qkv, o, gate_up and down, None
+    or (a, b, parts, ranks) as `_lora_add` takes them, in the weights' dtype, ranks
+    an int64 array read at every step. The plan holds them for its lifetime and
+    reads them with the GIL released: no other thread may write them meanwhile.
+    Raises ValueError on a dtype or shape problem."""
 
     def __new__(
         cls,
@@ -666,11 +668,14 @@ class _DecodePlan:
         block_tables: _Buffer,
         seq_lens: _Buffer,
         num_threads: int,
+        lora_slots: _Buffer | None = None,
     ) -> None:
         """Every layer over `hidden` [m, hidden] (updated in place) for m decode rows:
         cos_sin [m, 2, head_dim / 2] in the model's dtype, slots [m], block_tables
-        [m, n] and seq_lens [m] int64. Raises ValueError, writing nothing, on any
-        shape, slot, length or block id out of range."""
+        [m, n] and seq_lens [m] int64; `lora_slots` [m] int64, each row's adapter
+        slot (-1: none), adds the layers' adapters (None: no row has one). Raises
+        ValueError, writing nothing, on any shape, slot, length, block id, adapter
+        or rank out of range."""
 
 def _rms_norm(out: _Buffer, x: _Buffer, weight: _Buffer, eps: float, num_threads: int) -> None:
     """out = rms_norm(x) * weight, row by row (rows of len(weight); rust/kernels/

@@ -19,8 +19,12 @@
 //! unit in the last place now and then). Products run on `linear` (one reduction
 //! order for any row count) and attention on `paged_attention`, so a row gives
 //! the same bits alone and in a batch.
+//!
+//! With LoRA, a projection may carry its adapter slots (`Adapters`) and the step
+//! each row's slot (`DecodeStep::lora_slots`): their products are added to the
+//! projection's output by the kernel `LoRALinear` runs on the torch path.
 
-use super::decode_proj::{project, Proj};
+use super::decode_proj::{project, Proj, ProjLora};
 use super::elementwise::{add_in_place, narrow, rms_norm_row, round, widen};
 use super::linear::{Elem, LinearIsa, LinearShape};
 use super::paged_attention::{paged_decode_attention, DecodeShape, KvCache};
@@ -66,6 +70,27 @@ pub struct LayerWeights<'a, E> {
     pub post_norm: &'a [E],
     pub gate_up: Proj<'a, E>,
     pub down: Proj<'a, E>,
+    pub adapters: Adapters<'a, E>,
+}
+
+/// A layer's adapter slots, per projection (None: that projection has none).
+pub struct Adapters<'a, E> {
+    pub qkv: Option<ProjLora<'a, E>>,
+    pub o: Option<ProjLora<'a, E>>,
+    pub gate_up: Option<ProjLora<'a, E>>,
+    pub down: Option<ProjLora<'a, E>>,
+}
+
+impl<E> Adapters<'_, E> {
+    /// No adapters on any projection.
+    pub fn none() -> Self {
+        Adapters {
+            qkv: None,
+            o: None,
+            gate_up: None,
+            down: None,
+        }
+    }
 }
 
 /// A layer's paged KV cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
@@ -132,6 +157,9 @@ pub struct DecodeStep<'a, E> {
     pub block_tables: &'a [i64],
     /// `[m]`: keys each row attends to, its new token included.
     pub seq_lens: &'a [i64],
+    /// `[m]`: each row's adapter slot (-1: none), or None: no row has one (the
+    /// layers' `adapters` are then not read).
+    pub lora_slots: Option<&'a [i64]>,
 }
 
 /// Runs every layer over `hidden` (`[m, hidden]`, updated in place) for the rows
@@ -165,6 +193,8 @@ pub fn decode_layers<E: Elem, C: Elem>(
             num_threads,
             &mut s.qkv,
         )?;
+        let ad = (step.lora_slots, isa, num_threads);
+        adapt(&w.adapters.qkv, ad, shape, &s.normed, &mut s.qkv)?;
         for r in 0..m {
             let row = &mut s.qkv[r * d.qkv_size()..(r + 1) * d.qkv_size()];
             let half = d.head_dim / 2;
@@ -201,14 +231,9 @@ pub fn decode_layers<E: Elem, C: Elem>(
             &mut s.att32,
         )?;
         narrow(&s.att32, &mut s.att);
-        project(
-            &w.o,
-            LinearShape { m, k: qs, n: h },
-            &s.att,
-            None,
-            num_threads,
-            &mut s.out,
-        )?;
+        let shape = LinearShape { m, k: qs, n: h };
+        project(&w.o, shape, &s.att, None, num_threads, &mut s.out)?;
+        adapt(&w.adapters.o, ad, shape, &s.att, &mut s.out)?;
         add_in_place(hidden, &s.out);
         rms_norm_rows(hidden, w.post_norm, d.eps, &mut s.normed);
         let shape = LinearShape {
@@ -224,18 +249,29 @@ pub fn decode_layers<E: Elem, C: Elem>(
             num_threads,
             &mut s.gate_up,
         )?;
+        adapt(&w.adapters.gate_up, ad, shape, &s.normed, &mut s.gate_up)?;
         silu_mul_rows(isa, &s.gate_up, inter, &mut s.act);
-        project(
-            &w.down,
-            LinearShape { m, k: inter, n: h },
-            &s.act,
-            None,
-            num_threads,
-            &mut s.out,
-        )?;
+        let shape = LinearShape { m, k: inter, n: h };
+        project(&w.down, shape, &s.act, None, num_threads, &mut s.out)?;
+        adapt(&w.adapters.down, ad, shape, &s.act, &mut s.out)?;
         add_in_place(hidden, &s.out);
     }
     Ok(())
+}
+
+/// Adds a projection's adapters' products (`lora`) to its output `out`, when it has
+/// adapters and the step has `lora_slots`; checked with the step (`check`).
+fn adapt<E: Elem>(
+    lora: &Option<ProjLora<'_, E>>,
+    (lora_slots, isa, num_threads): (Option<&[i64]>, LinearIsa, usize),
+    shape: LinearShape,
+    x: &[E],
+    out: &mut [E],
+) -> Result<(), KernelError> {
+    match (lora, lora_slots) {
+        (Some(lora), Some(slots)) => lora.add(isa, shape, x, slots, num_threads, out),
+        _ => Ok(()),
+    }
 }
 
 /// The step's buffers, allocated once per call and reused by every layer.
@@ -353,6 +389,20 @@ fn check<E: Elem, C: Elem>(
         for (name, p, n, k) in projections {
             if let Some(why) = p.mismatch(n, k) {
                 return bad(format!("layer {i}: {name} {why}"));
+            }
+        }
+        let a = &w.adapters;
+        let adapted = [
+            ("qkv", &a.qkv, d.qkv_size(), h),
+            ("o", &a.o, h, d.q_size()),
+            ("gate_up", &a.gate_up, 2 * inter, h),
+            ("down", &a.down, h, inter),
+        ];
+        for (name, lora, n, k) in adapted {
+            if let (Some(lora), Some(slots)) = (lora, step.lora_slots) {
+                if let Err(e) = lora.check(LinearShape { m, k, n }, slots) {
+                    return bad(format!("layer {i}: {name}'s adapters: {e}"));
+                }
             }
         }
         let cells_len = 2 * cache.num_blocks * cache.block_size * d.kv_size();

@@ -8,12 +8,17 @@
 //! result rounded to the model's dtype, then the bias added and rounded again
 //! (`out + bias` on a tensor of that dtype). Parts stack along the output, as
 //! `torch.cat` stacks them.
+//!
+//! A projection may carry adapters (`ProjLora`): their products are added to its
+//! output by `lora_add`, as `LoRALinear` adds them to its base layer's output on
+//! the torch path (the same kernel, so the same bits).
 
 use super::elementwise::widen;
 use super::gguf::GgufType;
 use super::gguf_int::gguf_linear_int;
 use super::gguf_linear::gguf_linear;
-use super::linear::{linear, Elem, LinearShape};
+use super::linear::{linear, Elem, LinearIsa, LinearShape};
+use super::lora::{add_checked, check as check_lora, LoraLayout, LoraShape};
 use super::KernelError;
 
 /// One run of output rows of a GGUF weight, all of one block type.
@@ -54,6 +59,74 @@ impl<E> Proj<'_, E> {
                 (rows != n).then(|| format!("has {rows} rows of blocks, expected {n}"))
             }
         }
+    }
+}
+
+/// A projection's adapters in `lora_add`'s layout: its slots' A `[slots, k,
+/// width]` and B `[slots, width, n]`, the output sizes of the projections fused
+/// in it (`parts`) and each slot's rank in it (`ranks`, one per slot).
+pub struct ProjLora<'a, E> {
+    pub a: &'a [E],
+    pub b: &'a [E],
+    pub width: usize,
+    pub parts: &'a [usize],
+    pub ranks: &'a [usize],
+}
+
+impl<E: Elem> ProjLora<'_, E> {
+    fn operands(&self, shape: LinearShape) -> (LoraShape, LoraLayout<'_>) {
+        let LinearShape { m, k, n } = shape;
+        let slots = self.ranks.len();
+        let lora = LoraShape {
+            tokens: m,
+            k,
+            width: self.width,
+            n,
+            slots,
+        };
+        let layout = LoraLayout {
+            parts: self.parts,
+            ranks: self.ranks,
+        };
+        (lora, layout)
+    }
+
+    /// Whether these adapters fit a projection of `shape` and the step's
+    /// `token_slot` (an error naming what does not).
+    pub(super) fn check(&self, shape: LinearShape, token_slot: &[i64]) -> Result<(), KernelError> {
+        let (lora, layout) = self.operands(shape);
+        let (m, k, n) = (shape.m, shape.k, shape.n);
+        check_lora(
+            lora,
+            layout,
+            [m * n, m * k, self.a.len(), self.b.len()],
+            token_slot,
+        )
+    }
+
+    /// `out[t] += (x[t] · A[s]) · B[s]` for each row `t` whose slot `s =
+    /// token_slot[t]` is not -1, after `check` passed for `shape`.
+    pub(super) fn add(
+        &self,
+        isa: LinearIsa,
+        shape: LinearShape,
+        x: &[E],
+        token_slot: &[i64],
+        num_threads: usize,
+        out: &mut [E],
+    ) -> Result<(), KernelError> {
+        let (lora, layout) = self.operands(shape);
+        add_checked(
+            isa,
+            lora,
+            layout,
+            out,
+            x,
+            self.a,
+            self.b,
+            token_slot,
+            num_threads,
+        )
     }
 }
 

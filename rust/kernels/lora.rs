@@ -4,11 +4,11 @@
 //!
 //! Layout (`asyncllm.lora.layers`): `a` is `[slots, k, width]` and `b` is
 //! `[slots, width, n]`, row-major, so both products stream rows of the matrix
-//! against one vector per token (`axpy` over `width` or `n`, the vector lanes).
-//! A layer that fuses projections (q/k/v, gate/up) has `parts`, their output
-//! sizes: `width` is `parts.len()` rank blocks of equal size, and block `p`'s
-//! rows of `b` are read only in part `p`'s columns (the rest of `b` is zero by
-//! construction, block-diagonal, and is never read: the expand does a third of
+//! against a few tokens at once (`lora_tile`: register tiles over the vector
+//! lanes). A layer that fuses projections (q/k/v, gate/up) has `parts`, their
+//! output sizes: `width` is `parts.len()` rank blocks of equal size, and block
+//! `p`'s rows of `b` are read only in part `p`'s columns (the rest of `b` is zero
+//! by construction, block-diagonal, and is never read: the expand does a third of
 //! the walk for q/k/v, half for gate/up).
 //!
 //! Work items are up to `ITEM_ROWS` tokens of one slot (tokens are grouped by
@@ -21,10 +21,12 @@
 use super::elementwise::on_rows;
 use super::linear::{Elem, LinearIsa};
 use super::linear_simd::{on_isa, Simd, VectorBody};
+use super::lora_tile::{expand, shrink};
 use super::KernelError;
 
-/// Tokens per work item: a slot's A and B rows are read once per item.
-const ITEM_ROWS: usize = 4;
+/// Tokens per work item: a slot's A and B rows are read once per item (and the
+/// tiles keep up to 8 tokens' sums in registers, `lora_tile`).
+const ITEM_ROWS: usize = 8;
 
 /// The operands' sizes: tokens, input features `k`, slot width (fused
 /// projections x max rank) and output features `n`, and the slots held.
@@ -63,10 +65,31 @@ pub fn lora_add<E: Elem>(
     token_slot: &[i64],
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    check(shape, y, x, a, b, token_slot)?;
-    check_layout(shape, layout)?;
-    let parts = layout.parts;
+    check(
+        shape,
+        layout,
+        [y.len(), x.len(), a.len(), b.len()],
+        token_slot,
+    )?;
     let isa = LinearIsa::detect()?;
+    add_checked(isa, shape, layout, y, x, a, b, token_slot, num_threads)
+}
+
+/// `lora_add` in `isa` (a `LinearIsa::detect` or `available` result) for operands
+/// that passed `check`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn add_checked<E: Elem>(
+    isa: LinearIsa,
+    shape: LoraShape,
+    layout: LoraLayout<'_>,
+    y: &mut [E],
+    x: &[E],
+    a: &[E],
+    b: &[E],
+    token_slot: &[i64],
+    num_threads: usize,
+) -> Result<(), KernelError> {
+    let parts = layout.parts;
     let LoraShape { k, width, n, .. } = shape;
     // Column bounds of each part, and of the rank block of each row of `b`.
     let mut bounds = vec![0];
@@ -111,18 +134,18 @@ pub fn lora_add<E: Elem>(
     })
 }
 
-fn check<E: Elem>(
+/// Checks `lora_add`'s operands, given the lengths of y, x, a and b: every size,
+/// part, rank and slot.
+pub(super) fn check(
     s: LoraShape,
-    y: &[E],
-    x: &[E],
-    a: &[E],
-    b: &[E],
+    layout: LoraLayout<'_>,
+    [y, x, a, b]: [usize; 4],
     token_slot: &[i64],
 ) -> Result<(), KernelError> {
-    let sizes_ok = y.len() == s.tokens * s.n
-        && x.len() == s.tokens * s.k
-        && a.len() == s.slots * s.k * s.width
-        && b.len() == s.slots * s.width * s.n
+    let sizes_ok = y == s.tokens * s.n
+        && x == s.tokens * s.k
+        && a == s.slots * s.k * s.width
+        && b == s.slots * s.width * s.n
         && token_slot.len() == s.tokens
         && s.n > 0
         && s.k > 0
@@ -130,11 +153,8 @@ fn check<E: Elem>(
     if !sizes_ok {
         return Err(KernelError::Shape(format!(
             "lora_add needs y [t, n], x [t, k], a [slots, k, width], b [slots, width, n] and \
-             one slot per token for {s:?}; got y {}, x {}, a {}, b {}, token_slot {} elements",
-            y.len(),
-            x.len(),
-            a.len(),
-            b.len(),
+             one slot per token for {s:?}; got y {y}, x {x}, a {a}, b {b}, token_slot {} \
+             elements",
             token_slot.len()
         )));
     }
@@ -148,7 +168,7 @@ fn check<E: Elem>(
             s.slots
         )));
     }
-    Ok(())
+    check_layout(s, layout)
 }
 
 fn check_layout(s: LoraShape, layout: LoraLayout<'_>) -> Result<(), KernelError> {
@@ -190,238 +210,26 @@ struct Item<'a, E> {
 
 impl<E: Elem> VectorBody for Item<'_, E> {
     #[inline(always)]
-    fn run<S: Simd>(self) {
-        let (width, rows) = (self.width, self.x.len());
+    fn run<S: Simd>(mut self) {
+        let (width, rank, used) = (self.width, self.rank, self.used);
         let n = self.b.len() / width.max(1);
-        let (rank, used) = (self.rank, self.used);
-        // the columns read: the whole width, or the first `used` of each rank block
-        let blocks: Vec<(usize, usize)> = if used == rank {
-            vec![(0, width)]
-        } else {
-            (0..width / rank)
-                .map(|p| (p * rank, p * rank + used))
-                .collect()
-        };
-        // shrink: h[r] = x[r] · A, one row of A per input feature
-        let mut h = vec![0f32; rows * width];
-        for (i, a_row) in self.a.chunks_exact(width).enumerate() {
-            for (r, x) in self.x.iter().enumerate() {
-                let h_row = &mut h[r * width..(r + 1) * width];
-                for &(lo, hi) in &blocks {
-                    axpy::<S, E>(&mut h_row[lo..hi], x[i].to_f32(), &a_row[lo..hi]);
-                }
+        // the columns read: the first `used` of each rank block
+        let blocks: Vec<(usize, usize)> = (0..width / rank)
+            .map(|p| (p * rank, p * rank + used))
+            .collect();
+        let mut h = vec![0f32; self.x.len() * width];
+        shrink::<S, E>(&self.x, self.a, width, &blocks, &mut h);
+        // expand, each part's rank rows over its own columns only, skipping the
+        // rows every token's h leaves at zero (the parts an adapter leaves alone)
+        let rows = self.x.len();
+        for (p, &(lo, hi)) in blocks.iter().enumerate() {
+            let live: Vec<usize> = (lo..hi)
+                .filter(|&j| (0..rows).any(|r| h[r * width + j] != 0.0))
+                .collect();
+            if !live.is_empty() {
+                let cols = (self.bounds[p], self.bounds[p + 1]);
+                expand::<S, E>(&h, width, self.b, n, &live, cols, &mut self.y);
             }
         }
-        // expand: d[r] = h[r] · B, each row of B over its part's columns only,
-        // skipping the zero-padded ranks and the parts an adapter leaves alone
-        let mut d = vec![0f32; rows * n];
-        for (j, b_row) in self.b.chunks_exact(n).enumerate() {
-            if j % rank >= used || (0..rows).all(|r| h[r * width + j] == 0.0) {
-                continue;
-            }
-            let (lo, hi) = (self.bounds[j / self.rank], self.bounds[j / self.rank + 1]);
-            for r in 0..rows {
-                let out = &mut d[r * n + lo..r * n + hi];
-                axpy::<S, E>(out, h[r * width + j], &b_row[lo..hi]);
-            }
-        }
-        for (y, d) in self.y.into_iter().zip(d.chunks_exact(n)) {
-            for (y, d) in y.iter_mut().zip(d) {
-                *y = E::from_f32(y.to_f32() + d);
-            }
-        }
-    }
-}
-
-/// `acc += alpha * w`, in vectors of `S::LANES` and a scalar tail.
-#[inline(always)]
-fn axpy<S: Simd, E: Elem>(acc: &mut [f32], alpha: f32, w: &[E]) {
-    let lanes = S::LANES;
-    let whole = acc.len() / lanes * lanes;
-    // SAFETY: every vector op touches `lanes` elements at offsets `c < whole`,
-    // within both `acc` and `w` (`w.len() == acc.len()` by the callers' row
-    // slicing); `on_isa` runs this in code compiled for `S`'s ISA on a CPU that has it.
-    unsafe {
-        let va = S::splat(alpha);
-        for c in (0..whole).step_by(lanes) {
-            let p = acc.as_mut_ptr().add(c);
-            S::store(p, S::fma(va, S::load_w(w.as_ptr().add(c)), S::load(p)));
-        }
-    }
-    for (o, v) in acc[whole..].iter_mut().zip(&w[whole..]) {
-        *o = S::scalar_fma(alpha, v.to_f32(), *o);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A small deterministic generator: values in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// Three fused parts of 7, 6 and 8 outputs, rank 4 each.
-    const PARTS: [usize; 3] = [7, 6, 8];
-
-    /// Whether `b`'s element at rank row `j`, column `o` is in its part's block.
-    fn in_block(j: usize, o: usize) -> bool {
-        let p = j / 4;
-        let lo: usize = PARTS[..p].iter().sum();
-        (lo..lo + PARTS[p]).contains(&o)
-    }
-
-    #[test]
-    fn mixed_slots_match_the_per_token_products() {
-        let shape = LoraShape {
-            tokens: 11,
-            k: 19,
-            width: 12,
-            n: 21,
-            slots: 3,
-        };
-        let x = values(shape.tokens * shape.k, 1);
-        let a = values(shape.slots * shape.k * shape.width, 2);
-        // b block-diagonal, as laid out; NaN off the blocks, which are never read
-        let mut b = values(shape.slots * shape.width * shape.n, 3);
-        for (i, v) in b.iter_mut().enumerate() {
-            if !in_block(i / shape.n % shape.width, i % shape.n) {
-                *v = f32::NAN;
-            }
-        }
-        let y0 = values(shape.tokens * shape.n, 4);
-        let slots = [2, -1, 0, 2, 1, 1, -1, 0, 2, 2, 0];
-        let full = LoraLayout {
-            parts: &PARTS,
-            ranks: &[4, 4, 4],
-        };
-        for threads in [1, 3] {
-            let mut y = y0.clone();
-            lora_add(shape, full, &mut y, &x, &a, &b, &slots, threads).unwrap();
-            for (t, &s) in slots.iter().enumerate() {
-                for o in 0..shape.n {
-                    let mut want = y0[t * shape.n + o] as f64;
-                    if s >= 0 {
-                        let s = s as usize;
-                        for j in (0..shape.width).filter(|&j| in_block(j, o)) {
-                            let h: f64 = (0..shape.k)
-                                .map(|i| {
-                                    x[t * shape.k + i] as f64
-                                        * a[(s * shape.k + i) * shape.width + j] as f64
-                                })
-                                .sum();
-                            want += h * b[(s * shape.width + j) * shape.n + o] as f64;
-                        }
-                    }
-                    let got = y[t * shape.n + o] as f64;
-                    assert!(
-                        (got - want).abs() < 1e-4,
-                        "token {t} out {o}: {got} vs {want}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn padded_ranks_are_never_read() {
-        // slots of rank 2, 4 and 0 in blocks of 4: every A and B value past a
-        // slot's rank is NaN, so reading one would show in the output
-        let shape = LoraShape {
-            tokens: 6,
-            k: 9,
-            width: 12,
-            n: 21,
-            slots: 3,
-        };
-        let ranks = [2usize, 4, 0];
-        let x = values(shape.tokens * shape.k, 5);
-        let mut a = values(shape.slots * shape.k * shape.width, 6);
-        for (i, v) in a.iter_mut().enumerate() {
-            let (s, j) = (i / (shape.k * shape.width), i % shape.width);
-            if j % 4 >= ranks[s] {
-                *v = f32::NAN;
-            }
-        }
-        let mut b = values(shape.slots * shape.width * shape.n, 7);
-        for (i, v) in b.iter_mut().enumerate() {
-            let (s, j) = (i / (shape.width * shape.n), i / shape.n % shape.width);
-            if j % 4 >= ranks[s] || !in_block(j, i % shape.n) {
-                *v = f32::NAN;
-            }
-        }
-        let y0 = values(shape.tokens * shape.n, 8);
-        let slots = [0, 1, 2, 0, -1, 1];
-        let mut y = y0.clone();
-        let layout = LoraLayout {
-            parts: &PARTS,
-            ranks: &ranks,
-        };
-        lora_add(shape, layout, &mut y, &x, &a, &b, &slots, 2).unwrap();
-        for (t, &s) in slots.iter().enumerate() {
-            for o in 0..shape.n {
-                let mut want = y0[t * shape.n + o] as f64;
-                if s >= 0 {
-                    let s = s as usize;
-                    let cols = (0..shape.width).filter(|&j| j % 4 < ranks[s] && in_block(j, o));
-                    for j in cols {
-                        let h: f64 = (0..shape.k)
-                            .map(|i| {
-                                x[t * shape.k + i] as f64
-                                    * a[(s * shape.k + i) * shape.width + j] as f64
-                            })
-                            .sum();
-                        want += h * b[(s * shape.width + j) * shape.n + o] as f64;
-                    }
-                }
-                let got = y[t * shape.n + o] as f64;
-                assert!(
-                    (got - want).abs() < 1e-4,
-                    "token {t} out {o}: {got} vs {want}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_bad_slot_is_refused_before_writing() {
-        let shape = LoraShape {
-            tokens: 2,
-            k: 3,
-            width: 2,
-            n: 4,
-            slots: 1,
-        };
-        let mut y = vec![1.0f32; 8];
-        let (x, a, b) = (vec![1.0f32; 6], vec![1.0f32; 6], vec![1.0f32; 8]);
-        let one = |parts| LoraLayout { parts, ranks: &[2] };
-        let err = lora_add(shape, one(&[4]), &mut y, &x, &a, &b, &[0, 1], 1).unwrap_err();
-        assert!(
-            err.to_string().contains("token 1 has slot 1, not in -1..1"),
-            "{err}"
-        );
-        let err = lora_add(shape, one(&[1, 2]), &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
-        assert!(
-            err.to_string().contains("parts [1, 2] must split n=4"),
-            "{err}"
-        );
-        let err = lora_add(shape, one(&[2, 1, 1]), &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
-        assert!(err.to_string().contains("equal rank blocks"), "{err}");
-        let high = LoraLayout {
-            parts: &[4],
-            ranks: &[3],
-        };
-        let err = lora_add(shape, high, &mut y, &x, &a, &b, &[0, 0], 1).unwrap_err();
-        assert!(err.to_string().contains("a rank of at most 2"), "{err}");
-        assert!(y.iter().all(|&v| v == 1.0));
     }
 }

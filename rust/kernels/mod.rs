@@ -27,6 +27,7 @@ mod linear;
 mod linear_dpbf16;
 mod linear_simd;
 mod lora;
+mod lora_tile;
 mod paged_attention;
 mod peak;
 mod rotary;
@@ -43,10 +44,12 @@ mod tests_gguf_int;
 mod tests_gguf_panels;
 #[cfg(test)]
 mod tests_linear;
+#[cfg(test)]
+mod tests_lora;
 
 pub use bf16::{bf16_to_f32, f32_to_bf16, KvElem};
-pub use decode_layers::{decode_layers, CacheMut, DecodeDims, DecodeStep, LayerWeights};
-pub use decode_proj::{GgufPart, Proj};
+pub use decode_layers::{decode_layers, Adapters, CacheMut, DecodeDims, DecodeStep, LayerWeights};
+pub use decode_proj::{GgufPart, Proj, ProjLora};
 pub use elementwise::{add_rms_norm, rms_norm};
 pub use gguf::{dequantize as gguf_dequantize, GgufType};
 pub use gguf_int::{gguf_int_isa, gguf_linear_int};

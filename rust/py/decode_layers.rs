@@ -3,6 +3,9 @@
 //! once, when the model loads), and `run` takes a step's few small arrays.
 //! Weights and caches are float32, or bfloat16 passed as int16 bits; a
 //! projection may instead be GGUF blocks, a list of `(qtype, uint8 rows)` parts.
+//! With LoRA a layer also holds its projections' adapter slots and their ranks
+//! (`asyncllm.lora.layers.LoRALinear`'s buffers, written in place by slot writes
+//! between steps), read by the steps `run` gives `lora_slots`.
 
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyValueError;
@@ -12,7 +15,8 @@ use pyo3::types::{PyList, PyTuple};
 use super::kernels::{byte_range, data_ptr};
 use crate::error::Error;
 use crate::kernels::{
-    decode_layers, CacheMut, DecodeDims, DecodeStep, Elem, GgufPart, GgufType, LayerWeights, Proj,
+    decode_layers, Adapters, CacheMut, DecodeDims, DecodeStep, Elem, GgufPart, GgufType,
+    LayerWeights, Proj, ProjLora,
 };
 
 /// A C-contiguous buffer of float32 or of bfloat16 bits (int16), any shape.
@@ -173,6 +177,65 @@ impl ProjBuf {
     }
 }
 
+/// A projection's adapter slots: A `[slots * k, width]`, B `[slots * width, n]`
+/// (`_lora_add`'s layout), the fused parts' output sizes and each slot's rank
+/// (int64 `[slots]`, read at each step: slot writes change it).
+struct LoraBuf {
+    a: Buf,
+    b: Buf,
+    parts: Vec<usize>,
+    ranks: PyBuffer<i64>,
+}
+
+impl LoraBuf {
+    fn get(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<Self>> {
+        if obj.is_none() {
+            return Ok(None);
+        }
+        let bad = || PyValueError::new_err(format!("{name}: adapters are (a, b, parts, ranks)"));
+        let (a, b, parts, ranks): (
+            Bound<'_, PyAny>,
+            Bound<'_, PyAny>,
+            Vec<usize>,
+            Bound<'_, PyAny>,
+        ) = obj.extract().map_err(|_| bad())?;
+        let (a, b) = (Buf::get(&a, name)?, Buf::get(&b, name)?);
+        let ranks = PyBuffer::<i64>::get(&ranks)
+            .map_err(|_| PyValueError::new_err(format!("{name}: ranks must be int64")))?;
+        if a.shape().len() != 2 || b.shape().len() != 2 || !ranks.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "{name}: adapters need a [slots * k, width], b [slots * width, n] and \
+                 contiguous ranks"
+            )));
+        }
+        Ok(Some(LoraBuf { a, b, parts, ranks }))
+    }
+
+    /// The slots' ranks now (non-negative: checked against the rank blocks by the
+    /// kernel's own checks).
+    fn ranks(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        let ranks = self.ranks.to_vec(py)?;
+        ranks
+            .into_iter()
+            .map(|r| usize::try_from(r).map_err(|_| PyValueError::new_err("a negative rank")))
+            .collect()
+    }
+
+    /// # Safety
+    /// As `Buf::slice`: `E` matches the buffers' variant, and nothing writes them
+    /// while the adapters live.
+    unsafe fn lora<'a, E>(&'a self, ranks: &'a [usize]) -> ProjLora<'a, E> {
+        ProjLora {
+            // SAFETY: the caller's (above).
+            a: unsafe { self.a.slice() },
+            b: unsafe { self.b.slice() },
+            width: self.a.shape()[1],
+            parts: &self.parts,
+            ranks,
+        }
+    }
+}
+
 struct Layer {
     input_norm: Buf,
     qkv: ProjBuf,
@@ -182,6 +245,8 @@ struct Layer {
     gate_up: ProjBuf,
     down: ProjBuf,
     cache: Buf,
+    /// qkv's, o's, gate_up's and down's adapters (each None: none).
+    adapters: [Option<LoraBuf>; 4],
 }
 
 /// Every layer's weights and KV cache for `run`, held for the model's lifetime.
@@ -189,7 +254,8 @@ struct Layer {
 /// The promise the GIL cannot keep once `run` releases it, kept by the one
 /// caller (`asyncllm.models.fused_decode`): the runner's thread is the only one
 /// that runs the model, so while `run` works nothing else writes the weights
-/// (which nothing writes after loading at all) or the caches.
+/// (which nothing writes after loading at all), the caches or the adapter slots
+/// and ranks (written by that same thread between steps).
 #[pyclass(name = "_DecodePlan", module = "asyncllm._core", frozen)]
 pub struct DecodePlan {
     dims: DecodeDims,
@@ -201,9 +267,12 @@ pub struct DecodePlan {
 #[pymethods]
 impl DecodePlan {
     /// `layers`: per layer (input_norm, qkv, qkv_bias or None, o, post_norm,
-    /// gate_up, down, kv_cache), weights in the model's dtype — or, for a
-    /// projection, a list of GGUF parts `(qtype, uint8 rows)` — the bias float32,
-    /// the cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    /// gate_up, down, kv_cache[, adapters]), weights in the model's dtype — or,
+    /// for a projection, a list of GGUF parts `(qtype, uint8 rows)` — the bias
+    /// float32, the cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`;
+    /// `adapters`, with LoRA: for qkv, o, gate_up and down, None or `(a, b,
+    /// parts, ranks)` (`_lora_add`'s a, b and parts in the model's dtype, ranks an
+    /// int64 array of each slot's rank, read at every step).
     #[new]
     #[allow(clippy::too_many_arguments)] // the model's sizes, all distinct
     fn new(
@@ -234,7 +303,14 @@ impl DecodePlan {
             let projections = [&l.qkv, &l.o, &l.gate_up, &l.down];
             let floats = projections.iter().filter_map(|p| p.float_is_bf16());
             let norms = [l.input_norm.is_bf16(), l.post_norm.is_bf16()];
-            if norms.into_iter().chain(floats).any(|b| b != bf16) || l.cache.is_bf16() != cache_bf16
+            let adapters = l.adapters.iter().flatten();
+            let adapters = adapters.flat_map(|ad| [ad.a.is_bf16(), ad.b.is_bf16()]);
+            if norms
+                .into_iter()
+                .chain(floats)
+                .chain(adapters)
+                .any(|b| b != bf16)
+                || l.cache.is_bf16() != cache_bf16
             {
                 return Err(PyValueError::new_err(format!(
                     "layer {i}: the weights must share one dtype, and the caches one"
@@ -258,9 +334,12 @@ impl DecodePlan {
 
     /// Runs every layer over `hidden` `[m, hidden]` (updated in place) for `m`
     /// decode rows: `cos_sin` `[m, 2, head_dim / 2]` in the model's dtype, `slots`
-    /// `[m]`, `block_tables` `[m, n]` and `seq_lens` `[m]` int64. Raises
-    /// `ValueError`, writing nothing, on any shape or range problem.
+    /// `[m]`, `block_tables` `[m, n]` and `seq_lens` `[m]` int64; with LoRA,
+    /// `lora_slots` `[m]` int64, each row's adapter slot (-1: none; None: no row
+    /// has one). Raises `ValueError`, writing nothing, on any shape or range
+    /// problem.
     #[allow(clippy::too_many_arguments)] // the step's operands, all distinct
+    #[pyo3(signature = (hidden, cos_sin, slots, block_tables, seq_lens, num_threads, lora_slots=None))]
     fn run(
         &self,
         py: Python<'_>,
@@ -270,6 +349,7 @@ impl DecodePlan {
         block_tables: PyBuffer<i64>,
         seq_lens: PyBuffer<i64>,
         num_threads: usize,
+        lora_slots: Option<PyBuffer<i64>>,
     ) -> PyResult<()> {
         let (hidden, cos_sin) = (Buf::get(hidden, "hidden")?, Buf::get(cos_sin, "cos_sin")?);
         if hidden.is_bf16() != self.bf16 || cos_sin.is_bf16() != self.bf16 {
@@ -289,11 +369,23 @@ impl DecodePlan {
                 return Err(PyValueError::new_err("hidden must not overlap a kv_cache"));
             }
         }
-        let ints = (
-            slots.to_vec(py)?,
-            block_tables.to_vec(py)?,
-            seq_lens.to_vec(py)?,
-        );
+        let lora_slots = lora_slots.map(|b| b.to_vec(py)).transpose()?;
+        // each layer's adapters' ranks as they are now (slot writes change them)
+        let mut ranks = Vec::new();
+        if lora_slots.is_some() {
+            for l in &self.layers {
+                for ad in &l.adapters {
+                    ranks.push(ad.as_ref().map(|ad| ad.ranks(py)).transpose()?);
+                }
+            }
+        }
+        let ints = Ints {
+            slots: slots.to_vec(py)?,
+            tables: block_tables.to_vec(py)?,
+            lens: seq_lens.to_vec(py)?,
+            lora_slots,
+            ranks,
+        };
         match (self.bf16, self.cache_bf16) {
             (false, false) => self.call::<f32, f32>(py, &hidden, &cos_sin, &ints, num_threads),
             (false, true) => self.call::<f32, u16>(py, &hidden, &cos_sin, &ints, num_threads),
@@ -303,7 +395,16 @@ impl DecodePlan {
     }
 }
 
-type Ints = (Vec<i64>, Vec<i64>, Vec<i64>);
+/// A step's integer operands, copied out of their buffers; `ranks`: with
+/// `lora_slots`, each layer's four projections' slot ranks in turn (None: no
+/// adapters there).
+struct Ints {
+    slots: Vec<i64>,
+    tables: Vec<i64>,
+    lens: Vec<i64>,
+    lora_slots: Option<Vec<i64>>,
+    ranks: Vec<Option<Vec<usize>>>,
+}
 
 impl DecodePlan {
     fn call<E: Elem, C: Elem>(
@@ -311,15 +412,16 @@ impl DecodePlan {
         py: Python<'_>,
         hidden: &Buf,
         cos_sin: &Buf,
-        (slots, tables, lens): &Ints,
+        ints: &Ints,
         num_threads: usize,
     ) -> PyResult<()> {
-        // SAFETY (the weight and cos_sin slices): `E` and `C` match the buffers'
-        // variants (`run` dispatched on the dtypes `new` and `run` checked); the
-        // weights are written by no one while the model runs (the contract on
-        // `DecodePlan`), cos_sin is the caller's fresh tensor.
+        // SAFETY (the weight, adapter and cos_sin slices): `E` and `C` match the
+        // buffers' variants (`run` dispatched on the dtypes `new` and `run`
+        // checked); the weights and adapters are written by no one while the
+        // model runs (the contract on `DecodePlan`), cos_sin is the caller's fresh
+        // tensor.
         let mut layers: Vec<(LayerWeights<'_, E>, CacheMut<C>)> = Vec::new();
-        for l in &self.layers {
+        for (i, l) in self.layers.iter().enumerate() {
             let cs = l.cache.shape();
             // SAFETY: the cache buffer is C-contiguous, aligned and non-null
             // (`Buf::get`, `data_ptr`), valid for reads and writes of `len`
@@ -339,6 +441,7 @@ impl DecodePlan {
                     post_norm: l.post_norm.slice(),
                     gate_up: l.gate_up.proj(),
                     down: l.down.proj(),
+                    adapters: adapters(l, ints.ranks.get(4 * i..4 * i + 4)),
                 }
             };
             layers.push((weights, cache));
@@ -346,9 +449,10 @@ impl DecodePlan {
         let step = unsafe {
             DecodeStep {
                 cos_sin: cos_sin.slice(),
-                slots,
-                block_tables: tables,
-                seq_lens: lens,
+                slots: &ints.slots,
+                block_tables: &ints.tables,
+                seq_lens: &ints.lens,
+                lora_slots: ints.lora_slots.as_deref(),
             }
         };
         // SAFETY: `hidden` is C-contiguous, aligned, non-null, writable (checked
@@ -361,10 +465,37 @@ impl DecodePlan {
     }
 }
 
+/// A layer's adapters for one step, with `ranks` (its four projections' slot
+/// ranks, None: a step without `lora_slots`, whose adapters are not read).
+///
+/// # Safety
+/// As `Buf::slice`: `E` matches the adapter buffers' variant, and nothing writes
+/// them while the adapters live.
+unsafe fn adapters<'a, E>(
+    l: &'a Layer,
+    ranks: Option<&'a [Option<Vec<usize>>]>,
+) -> Adapters<'a, E> {
+    let Some(ranks) = ranks else {
+        return Adapters::none();
+    };
+    // SAFETY (each `lora`): the caller's (above).
+    let get = |i: usize| match (&l.adapters[i], &ranks[i]) {
+        (Some(ad), Some(r)) => Some(unsafe { ad.lora(r) }),
+        _ => None,
+    };
+    Adapters {
+        qkv: get(0),
+        o: get(1),
+        gate_up: get(2),
+        down: get(3),
+    }
+}
+
 fn layer(t: &Bound<'_, PyTuple>) -> PyResult<Layer> {
-    if t.len() != 8 {
+    if t.len() != 8 && t.len() != 9 {
         return Err(PyValueError::new_err(
-            "a layer is (input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, kv_cache)",
+            "a layer is (input_norm, qkv, qkv_bias, o, post_norm, gate_up, down, kv_cache[, \
+             adapters])",
         ));
     }
     let item = |i: usize, name: &str| Buf::get(&t.get_item(i)?, name);
@@ -383,7 +514,27 @@ fn layer(t: &Bound<'_, PyTuple>) -> PyResult<Layer> {
         gate_up: proj(5, "gate_up")?,
         down: proj(6, "down")?,
         cache: item(7, "kv_cache")?,
+        adapters: if t.len() == 9 {
+            adapter_bufs(&t.get_item(8)?)?
+        } else {
+            [None, None, None, None]
+        },
     })
+}
+
+/// A layer's `adapters` item: None for each of qkv, o, gate_up and down, or
+/// `(a, b, parts, ranks)`.
+fn adapter_bufs(obj: &Bound<'_, PyAny>) -> PyResult<[Option<LoraBuf>; 4]> {
+    let items: Vec<Bound<'_, PyAny>> = obj.extract()?;
+    let [qkv, o, gate_up, down] = <[_; 4]>::try_from(items).map_err(|_| {
+        PyValueError::new_err("adapters are four items: qkv's, o's, gate_up's and down's")
+    })?;
+    Ok([
+        LoraBuf::get(&qkv, "qkv adapters")?,
+        LoraBuf::get(&o, "o adapters")?,
+        LoraBuf::get(&gate_up, "gate_up adapters")?,
+        LoraBuf::get(&down, "down adapters")?,
+    ])
 }
 
 fn typed_f32(obj: &Bound<'_, PyAny>) -> PyResult<PyBuffer<f32>> {

@@ -15,8 +15,8 @@ use crate::kernels::{self, Elem, LoraLayout, LoraShape};
 /// not -1. `y` [t, n], `x` [t, k], `a` [slots * k, width] (each slot's [k, width]
 /// stacked), `b` [slots * width, n], `token_slot` int64 [t]; y, x, a and b share
 /// a dtype; `parts`: the output sizes of the fused projections (B block-diagonal,
-/// read only within its blocks); `ranks`: each slot's rank in this layer (the
-/// padded columns beyond it are never read). Raises `ValueError`, writing nothing, on any
+/// read only within its blocks); `ranks` int64 [slots]: each slot's rank in this
+/// layer (the padded columns beyond it are never read). Raises `ValueError`, writing nothing, on any
 /// dtype, shape, part or slot problem.
 ///
 /// Private (`_lora_add`): its one caller, `asyncllm.lora.kernel`, keeps the
@@ -34,7 +34,7 @@ fn lora_add(
     b: &Bound<'_, PyAny>,
     token_slot: &Bound<'_, PyAny>,
     parts: Vec<usize>,
-    ranks: Vec<usize>,
+    ranks: &Bound<'_, PyAny>,
     num_threads: usize,
 ) -> PyResult<()> {
     let (y, x, a, b) = (
@@ -44,6 +44,12 @@ fn lora_add(
         Operand::get(b, "b")?,
     );
     let slots = buffer::<i64>(token_slot, "token_slot", "int64", 1)?.to_vec(py)?;
+    let ranks = buffer::<i64>(ranks, "ranks", "int64", 1)?.to_vec(py)?;
+    let ranks = ranks
+        .into_iter()
+        .map(usize::try_from)
+        .collect::<Result<Vec<usize>, _>>()
+        .map_err(|_| PyValueError::new_err("lora_add: a negative rank"))?;
     let (ys, xs, as_, bs) = (y.shape(), x.shape(), a.shape(), b.shape());
     let (k, width) = (xs[1], as_[1]);
     if k == 0 || width == 0 || as_[0] % k != 0 || bs[0] != as_[0] / k * width {

@@ -42,14 +42,14 @@ def lora_add_rust(
     b_buf: np.ndarray,
     token_slot: np.ndarray,
     parts: list[int],
-    ranks: list[int],
+    ranks: np.ndarray,
     num_threads: int,
 ) -> torch.Tensor:
     """y + the adapters' products, added into `y` itself (a fresh output of the
     base layer); `a_buf`, `b_buf` are the layer's slots as [slots * k, width] and
     [slots * width, n] buffers (`as_buffer`); `parts` the output sizes of the
     projections fused in the layer (b is read only in its diagonal blocks);
-    `ranks` each slot's rank (columns beyond it are padding, never read)."""
+    `ranks` each slot's rank (int64; columns beyond it are padding, never read)."""
     if not y.is_contiguous():
         y = y.contiguous()
     _core._lora_add(

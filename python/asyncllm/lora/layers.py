@@ -132,8 +132,9 @@ class LoRALinear(nn.Module):
         self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device))
         self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.step = step
-        # each slot's rank (0: empty), so the rust kernel skips the padded columns
-        self._ranks = [0] * num_slots
+        # each slot's rank (0: empty), so the rust kernel skips the padded columns;
+        # written in place (the fused decode step holds a view: kernel_operands)
+        self.slot_ranks = np.zeros(num_slots, dtype=np.int64)
         # the slots as the rust kernel reads them: views made once (the slots are
         # written in place, never reallocated)
         self._a_buf = as_buffer(self.a.view(-1, width)) if step.kernel == "rust" else None
@@ -146,7 +147,7 @@ class LoRALinear(nn.Module):
         `lay_out_slot` off it, so this is two plain copies; None (the adapter
         leaves this layer alone) zeroes the slot."""
         a, b = self.a[slot], self.b[slot]
-        self._ranks[slot] = 0 if contents is None else contents.rank
+        self.slot_ranks[slot] = 0 if contents is None else contents.rank
         if a.device.type != "cpu":
             for dst, src in zip((a, b), contents[:2] if contents else (None, None), strict=True):
                 dst.zero_() if src is None else dst.copy_(src)
@@ -159,6 +160,14 @@ class LoRALinear(nn.Module):
                 as_buffer(dst).fill(0)
             else:
                 np.copyto(as_buffer(dst), as_buffer(src))
+
+    def kernel_operands(self) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray] | None:
+        """The slots as the rust kernel reads them, (a, b, parts, ranks): buffers
+        written in place by `set_slot`, never reallocated, so a caller may keep
+        them (the fused decode step: `lora.model`); None with the torch kernel."""
+        if self._a_buf is None or self._b_buf is None:
+            return None
+        return self._a_buf, self._b_buf, self._parts, self.slot_ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._partial is None:
@@ -182,7 +191,7 @@ class LoRALinear(nn.Module):
                 self._b_buf,
                 step.token_slot,
                 self._parts,
-                self._ranks,
+                self.slot_ranks,
                 step.num_threads,
             )
         return lora_add_torch(y, x, self.a, self.b, step.single, step.order, step.segments)

@@ -4,7 +4,10 @@ device slots, and each step's tokens mapped to slots.
 The runner calls `add_row` / `remove_row` as requests join and leave its batch,
 and `begin_step(token_slots(rows))` once per step before the forward. A step
 without adapted rows costs one numpy check and leaves the model exactly as without
-LoRA (the layers see `active` False; the fused decode path stays on).
+LoRA (the layers see `active` False). The model's fused decode step, when it has
+one, takes the adapters too with the rust kernel (`FusedDecode.with_adapters`:
+the same kernel on the same slots), so adapted decode steps stay on it; with the
+torch kernel it is off while a step has adapted rows.
 
 Under tensor parallelism only rank 0 has rows: it sends each step's token→slot
 map and its slot writes to the other ranks (`lora.ranks`), whose `LoRAModel`s
@@ -61,9 +64,13 @@ class LoRAModel:
         self.slots = DeviceSlots(layers, max_loras)
         self.row_slot = np.full(max_rows, NO_SLOT, dtype=np.int64)
         self._num_adapted_rows = 0
-        # the model's fused decode path (built before this), off while a step has
-        # adapted rows: its one call knows no adapters
-        self._fused_decode: Any = getattr(model, "fused_decode", None)
+        # the model's fused decode path (built before this): with the rust kernel
+        # it adds the adapters itself; else it is off while a step has adapted rows
+        fused: Any = getattr(model, "fused_decode", None)
+        self._fused_adapts = fused is not None and self.step.kernel == "rust"
+        if self._fused_adapts:
+            fused = model.fused_decode = fused.with_adapters(_fused_adapters(model))
+        self._fused_decode = fused
 
     @classmethod
     def for_engine(cls, model: Any, config: EngineConfig, device: torch.device) -> LoRAModel:
@@ -113,9 +120,14 @@ class LoRAModel:
             if step.active:  # back to the plain model, fused decode included
                 step.active = False
                 self.model.fused_decode = self._fused_decode
+                if self._fused_adapts:
+                    self._fused_decode.lora_slots = None
             return
         step.active = True
-        self.model.fused_decode = None  # its one call knows no adapters
+        if self._fused_adapts:
+            self._fused_decode.lora_slots = slots
+        else:
+            self.model.fused_decode = None  # its one call knows no adapters
         if step.kernel == "rust":
             step.token_slot = slots
             return
@@ -134,3 +146,25 @@ class LoRAModel:
         step.segments = tuple(
             (int(ordered[s]), int(s), int(e)) for s, e in zip(starts, ends, strict=True)
         )
+
+
+def _fused_adapters(model: Any) -> list[tuple[Any, ...]]:
+    """Each decoder layer's adapters for the fused decode step: for its qkv, o,
+    gate_up and down projections, the slots as the rust kernel reads them, or None
+    (a projection without adapters)."""
+
+    def operands(linear: Any) -> Any:
+        return linear.kernel_operands() if isinstance(linear, LoRALinear) else None
+
+    return [
+        tuple(
+            operands(p)
+            for p in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        )
+        for layer in model.layers
+    ]

@@ -24,6 +24,10 @@ kernels; only exp (SiLU, the extension's own, as on the torch path's native ops)
 and the square root (RMSNorm) are not torch's, so a bfloat16 value now and then
 differs in its last bit (tests/test_fused_decode.py bounds it). A row's result
 does not depend on the rows beside it.
+
+With LoRA (`with_adapters`, set up by `lora.model`), the call also adds each
+adapted row's products to its projections' outputs, by the kernel `LoRALinear`
+runs on the torch path, so a step with adapted rows stays on this path.
 """
 
 from __future__ import annotations
@@ -64,13 +68,21 @@ class FusedDecode:
 
     def __init__(
         self,
-        plan: Any,
+        layers: list[tuple[Any, ...]],
+        dims: tuple[Any, ...],
         rotary: RotaryEmbedding,
         kv_caches: list[torch.Tensor],
         num_threads: int,
         buckets: frozenset[int] | None = None,
     ) -> None:
-        self.plan = plan
+        """The plan of `layers` (each layer's buffers, `_layer_buffers`, with LoRA
+        its adapters too) and `dims` (the model's sizes, as `_DecodePlan` takes
+        them)."""
+        self.plan = _core._DecodePlan(layers, *dims)
+        self.layers, self.dims = layers, dims  # what the plan was made of
+        # with adapters: the step's token -> slot map (-1: none; None: no adapted
+        # token), set before each step by lora.model.LoRAModel.begin_step
+        self.lora_slots: np.ndarray | None = None
         self.rotary = rotary
         self.kv_caches = kv_caches  # the runner's list: a step with another one is not ours
         self.num_threads = num_threads
@@ -89,9 +101,10 @@ class FusedDecode:
         if reason is not None:
             logger.info("fused decode off: %s", reason)
             return None
+        pairs = zip(model.layers, kv_caches, strict=True)
+        layers = [_layer_buffers(layer, cache) for layer, cache in pairs]
         attn = model.layers[0].self_attn
-        plan = _core._DecodePlan(
-            [_layer_buffers(layer, c) for layer, c in zip(model.layers, kv_caches, strict=True)],
+        dims = (
             model.hidden_size,
             attn.num_heads,
             attn.num_kv_heads,
@@ -100,7 +113,17 @@ class FusedDecode:
             float(model.layers[0].input_layernorm.eps),
             float(attn.scale),
         )
-        return cls(plan, model.rotary_emb, kv_caches, num_threads, _gguf_buckets(model))
+        return cls(layers, dims, model.rotary_emb, kv_caches, num_threads, _gguf_buckets(model))
+
+    def with_adapters(self, adapters: list[tuple[Any, ...]]) -> FusedDecode:
+        """This step with LoRA: `adapters` per layer, for its qkv, o, gate_up and
+        down projections, None or the slots as the rust kernel reads them
+        (`LoRALinear.kernel_operands`: views the plan keeps, so later slot writes
+        are seen)."""
+        layers = [(*layer, ad) for layer, ad in zip(self.layers, adapters, strict=True)]
+        return FusedDecode(
+            layers, self.dims, self.rotary, self.kv_caches, self.num_threads, self.buckets
+        )
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         if meta.num_tokens > self.max_rows or kv_caches is not self.kv_caches:
@@ -123,6 +146,7 @@ class FusedDecode:
             meta.slot_mapping.numpy(),
             *rows,
             self.num_threads,
+            self.lora_slots,
         )
         return hidden
 
