@@ -6,7 +6,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::decode_layers::Buf;
+use super::decode_bufs::Buf;
 use crate::error::Error;
 use crate::kernels;
 

@@ -2,6 +2,7 @@
 //! wrap the results.
 
 mod codec;
+mod decode_bufs;
 mod decode_layers;
 mod detok;
 mod elementwise;
