@@ -597,11 +597,14 @@ def _gguf_dequantize(qtype_name: str, raw: _Buffer, out: _Buffer, panels: bool =
     layout when `panels` (`_gguf_pack_panels`). Raises ValueError on an unknown
     type or a shape that is not whole blocks, before writing."""
 
-def _gguf_linear(qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int) -> None:
+def _gguf_linear(
+    qtype_name: str, out: _Buffer, x: _Buffer, w: _Buffer, num_threads: int, panels: bool = False
+) -> None:
     """out[m, n] = x[m, k] . dequantize(w)[n, k]^T for GGUF blocks w [n, row_bytes]
     (uint8): each weight row decoded once into a cache-resident buffer and dotted
-    with every row of x (float32, as out). Raises ValueError on a wrong type or
-    shape, before writing. Private: the one caller (asyncllm.models.gguf.layers)
+    with every row of x (float32, as out); `w` in the panel layout when `panels`
+    (a panel unpacked at a time). Raises ValueError on a wrong type or shape, before
+    writing. Private: the one caller (asyncllm.models.gguf.layers)
     promises no thread writes w or out meanwhile."""
 
 def _gguf_linear_int(

@@ -151,7 +151,7 @@ pub(super) fn project<E: Elem>(
         let rows = p.blocks.len() / p.t.row_bytes(k)?;
         let mut y = vec![0.0f32; m * rows];
         if matches!(p.t, GgufType::F32 | GgufType::F16 | GgufType::Bf16) {
-            gguf_linear(p.t, m, k, &x32, p.blocks, num_threads, &mut y)?;
+            gguf_linear(p.t, m, k, &x32, p.blocks, p.panels, num_threads, &mut y)?;
         } else {
             gguf_linear_int(p.t, m, k, &x32, p.blocks, p.panels, num_threads, &mut y)?;
         }

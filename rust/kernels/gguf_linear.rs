@@ -11,23 +11,33 @@
 #[cfg(target_arch = "x86_64")]
 use super::bf16::{isa_cap, IsaCap};
 use super::gguf::{decode_row, half, GgufType};
+use super::gguf_panels::{unpack_panel, PANEL};
 use super::team;
 use super::KernelError;
 
-/// Output features per work item.
-const ITEM_ROWS: usize = 16;
+/// Output features per work item (one panel of the panel layout).
+const ITEM_ROWS: usize = PANEL;
 
 /// `out[m, n] = x[m, k] · dequantize(w)[n, k]ᵀ` on `num_threads` threads; `w` is
-/// `n` rows of blocks of `t`. Every check runs before `out` is written.
+/// `n` rows of blocks of `t`, in the panel layout (`gguf_panels`) when `panels`:
+/// each item's panel is unpacked into a buffer first. Every check runs before
+/// `out` is written.
+#[allow(clippy::too_many_arguments)] // the product's operands and the layout
 pub fn gguf_linear(
     t: GgufType,
     m: usize,
     k: usize,
     x: &[f32],
     w: &[u8],
+    panels: bool,
     num_threads: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    if panels && matches!(t, GgufType::F32 | GgufType::F16 | GgufType::Bf16) {
+        return Err(KernelError::Shape(format!(
+            "gguf_linear: {t:?} has no panel layout"
+        )));
+    }
     let rb = t.row_bytes(k)?;
     let n = w.len().checked_div(rb).unwrap_or(0);
     if num_threads == 0 || k == 0 || w.len() != n * rb || x.len() != m * k || out.len() != m * n {
@@ -44,20 +54,21 @@ pub fn gguf_linear(
         // a decoded weight row, or each x row's block sums
         buf.resize(k.max(m * (k / 32)), 0.0);
         let rows = idx * ITEM_ROWS..((idx + 1) * ITEM_ROWS).min(n);
-        item_rows(
-            t,
-            k,
-            rb,
-            x,
-            &w[rows.start * rb..rows.end * rb],
-            buf,
-            |r, j, v| {
-                // SAFETY: `out` holds m * n elements (checked above) that only this
-                // call writes; (r, rows.start + j) is in bounds and in this item's
-                // range of output features alone, so no two threads write it.
-                unsafe { out_ptr.get().add(r * n + rows.start + j).write(v) }
-            },
-        );
+        let mut item_w = &w[rows.start * rb..rows.end * rb];
+        let plain;
+        if panels && rows.len() == PANEL {
+            // the rows past the last whole panel stay in the GGUF layout
+            let mut unpacked = vec![0u8; item_w.len()];
+            unpack_panel(t, item_w, &mut unpacked);
+            plain = unpacked;
+            item_w = &plain;
+        }
+        item_rows(t, k, rb, x, item_w, buf, |r, j, v| {
+            // SAFETY: `out` holds m * n elements (checked above) that only this
+            // call writes; (r, rows.start + j) is in bounds and in this item's
+            // range of output features alone, so no two threads write it.
+            unsafe { out_ptr.get().add(r * n + rows.start + j).write(v) }
+        });
     };
     team::run_items(n.div_ceil(ITEM_ROWS), num_threads, &item)
 }

@@ -130,6 +130,13 @@ fn lane_row(t: GgufType, panel: &[u8], lane: usize, out: &mut [u8]) {
     }
 }
 
+/// A whole panel's 16 rows in the GGUF layout, into `out` (as many bytes).
+pub(super) fn unpack_panel(t: GgufType, panel: &[u8], out: &mut [u8]) {
+    for (lane, dst) in out.chunks_exact_mut(panel.len() / PANEL).enumerate() {
+        lane_row(t, panel, lane, dst);
+    }
+}
+
 /// Rows of `w` (rows of `k` elements of `t` in the panel layout) dequantized into
 /// `out` (`[rows, k]`), equal to `gguf::dequantize` of the GGUF layout: each panel
 /// is unpacked into a cache-resident buffer first, so the weight is read once.
@@ -147,9 +154,7 @@ pub fn dequantize(t: GgufType, k: usize, w: &[u8], out: &mut [f32]) -> Result<()
     let mut plain = vec![0u8; PANEL * rb];
     let panels = w[..whole * rb].chunks_exact(PANEL * rb);
     for (panel, o) in panels.zip(out.chunks_exact_mut(PANEL * k)) {
-        for (lane, dst) in plain.chunks_exact_mut(rb).enumerate() {
-            lane_row(t, panel, lane, dst);
-        }
+        unpack_panel(t, panel, &mut plain);
         super::gguf::dequantize(t, k, &plain, o)?;
     }
     super::gguf::dequantize(t, k, &w[whole * rb..], &mut out[whole * k..])

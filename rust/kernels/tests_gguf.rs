@@ -53,7 +53,7 @@ fn linear_equals_dequantize_then_dot() {
     dequantize(t, k, &w, &mut dense).unwrap();
     for threads in [1, 2] {
         let mut out = vec![0.0; m * n];
-        gguf_linear(t, m, k, &x, &w, threads, &mut out).unwrap();
+        gguf_linear(t, m, k, &x, &w, false, threads, &mut out).unwrap();
         for r in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|i| x[r * k + i] * dense[j * k + i]).sum();
@@ -70,7 +70,17 @@ fn bad_shapes_and_types_are_errors() {
     assert!(dequantize(GgufType::Q8_0, 32, &[0; 33], &mut out).is_err());
     assert!(dequantize(GgufType::Q8_0, 30, &[0; 34], &mut out).is_err());
     let mut small = vec![0.0; 1];
-    assert!(gguf_linear(GgufType::Q8_0, 1, 32, &[0.0; 32], &[0; 68], 1, &mut small).is_err());
+    assert!(gguf_linear(
+        GgufType::Q8_0,
+        1,
+        32,
+        &[0.0; 32],
+        &[0; 68],
+        false,
+        1,
+        &mut small
+    )
+    .is_err());
 }
 
 #[test]
@@ -95,7 +105,7 @@ fn fused_block_types_equal_dequantize_then_dot() {
         let mut dense = vec![0.0; n * k];
         dequantize(t, k, &w, &mut dense).unwrap();
         let mut out = vec![0.0; m * n];
-        gguf_linear(t, m, k, &x, &w, 2, &mut out).unwrap();
+        gguf_linear(t, m, k, &x, &w, false, 2, &mut out).unwrap();
         for r in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|i| x[r * k + i] * dense[j * k + i]).sum();

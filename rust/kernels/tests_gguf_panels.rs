@@ -4,6 +4,7 @@
 
 use super::gguf::{dequantize as dequantize_plain, GgufType};
 use super::gguf_int::{run, QuantIsa};
+use super::gguf_linear::gguf_linear;
 use super::gguf_panels::{dequantize, pack, unpack_rows, PANEL};
 use super::tests_gguf_int::{blocks, xs, Rng, INT_TYPES};
 
@@ -81,6 +82,31 @@ fn the_kernel_gives_the_same_bits_on_panels() {
             }
         }
     }
+}
+
+#[test]
+fn the_float_kernel_gives_the_same_bits_on_panels() {
+    let k = 256;
+    let mut rng = Rng(19);
+    for t in INT_TYPES {
+        let n = 37; // two panels and five plain rows
+        let plain = blocks(t, n, k, &mut rng);
+        let mut w = plain.clone();
+        pack(t, k, &mut w).unwrap();
+        for m in [1, 3] {
+            let x = xs(m, k, &mut rng);
+            let (mut want, mut got) = (vec![0.0; m * n], vec![f32::NAN; m * n]);
+            gguf_linear(t, m, k, &x, &plain, false, 2, &mut want).unwrap();
+            gguf_linear(t, m, k, &x, &w, true, 2, &mut got).unwrap();
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{t:?} m={m}");
+        }
+    }
+    let mut out = [0.0; 1];
+    assert!(gguf_linear(GgufType::F16, 1, 1, &[0.0], &[0; 2], true, 1, &mut out).is_err());
 }
 
 #[test]

@@ -93,29 +93,9 @@ fn gguf_dequantize(
         .map_err(|e| Error::from(e).into())
 }
 
-/// The signature both GGUF matmul kernels share (the float one takes no layout).
+/// The signature both GGUF matmul kernels share.
 type GgufKernel =
     fn(GgufType, usize, usize, &[f32], &[u8], bool, usize, &mut [f32]) -> Result<(), KernelError>;
-
-/// `kernels::gguf_linear` as a `GgufKernel`: blocks in the GGUF layout only.
-#[allow(clippy::too_many_arguments)] // GgufKernel's operands
-fn float_kernel(
-    t: GgufType,
-    m: usize,
-    k: usize,
-    x: &[f32],
-    w: &[u8],
-    panels: bool,
-    num_threads: usize,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    if panels {
-        return Err(KernelError::Shape(
-            "gguf_linear reads the GGUF layout: unpack the panels first".into(),
-        ));
-    }
-    kernels::gguf_linear(t, m, k, x, w, num_threads, out)
-}
 
 /// `out = x · dequantize(w)ᵀ` on `kernel`, after checking the buffers.
 #[allow(clippy::too_many_arguments)] // the call's operands and its kernel
@@ -145,11 +125,11 @@ fn run_gguf_linear(
 }
 
 /// `out[m, n] = x[m, k] · dequantize(w)ᵀ` for `w` uint8 [n, row_bytes] blocks of
-/// `qtype`: each weight row decoded once per call into a cache-resident buffer.
-/// Private: its one caller (`asyncllm.models.gguf.layers`) passes a tensor it
+/// `qtype`: each weight row decoded once per call into a cache-resident buffer;
+/// `w` in the panel layout when `panels`. Private: its one caller (`asyncllm.models.gguf.layers`) passes a tensor it
 /// has just allocated as `out`, and blocks that no thread writes.
 #[pyfunction(name = "_gguf_linear")]
-#[pyo3(signature = (qtype_name, out, x, w, num_threads))]
+#[pyo3(signature = (qtype_name, out, x, w, num_threads, panels=false))]
 fn gguf_linear(
     py: Python<'_>,
     qtype_name: &str,
@@ -157,8 +137,10 @@ fn gguf_linear(
     x: &Bound<'_, PyAny>,
     w: &Bound<'_, PyAny>,
     num_threads: usize,
+    panels: bool,
 ) -> PyResult<()> {
-    run_gguf_linear(py, float_kernel, qtype_name, out, x, w, false, num_threads)
+    let kernel = kernels::gguf_linear;
+    run_gguf_linear(py, kernel, qtype_name, out, x, w, panels, num_threads)
 }
 
 /// `out[m, n] = x[m, k] · dequantize(w)ᵀ` as `_gguf_linear`, for the block types

@@ -23,8 +23,8 @@ only those. A tied LM head is a `GGUFLinear` over the embedding's very blocks.
 
 On the CPU the loader repacks the block types' bytes in place into the panel
 layout the integer kernel reads with plain vector loads (rust/kernels/
-gguf_panels.rs: 1.3-1.9x at one row, the same bits); the float paths and the
-embedding's lookups read rows back in the GGUF layout (`unpack_rows`).
+gguf_panels.rs: 1.3-1.9x at one row, the same bits); the float kernel and the
+tiles unpack a panel at a time, the embedding's lookups their rows (`unpack_rows`).
 """
 
 from __future__ import annotations
@@ -144,11 +144,9 @@ class GGUFLinear(nn.Module):
         float on the CPU only)."""
         outs = []
         for (qtype, raw), panels in zip(self.parts(), self.panels, strict=True):
-            if kernel == "int" and qtype in INT_TYPES:
-                outs.append(_fused(_core._gguf_linear_int, qtype, rows, raw, panels))
-                continue
             if kernel in ("int", "float"):
-                outs.append(_fused(_core._gguf_linear, qtype, rows, _plain(raw, qtype, panels)))
+                fn = _core._gguf_linear_int if kernel == "int" and qtype in INT_TYPES else None
+                outs.append(_fused(fn or _core._gguf_linear, qtype, rows, raw, panels))
                 continue
             dtype = torch.bfloat16 if kernel == "tiles_bf16" else rows.dtype
             x = rows if rows.dtype == dtype else rows.to(dtype)
@@ -166,11 +164,6 @@ class GGUFLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, types={self.qtypes}"
 
 
-def _plain(raw: torch.Tensor, qtype: str, panels: bool) -> torch.Tensor:
-    """Blocks in the GGUF layout: `raw` itself, or unpacked from the panel layout."""
-    return unpack_rows(raw, qtype) if panels else raw
-
-
 def _fused(
     fn: Callable[..., None],
     qtype: str,
@@ -178,15 +171,11 @@ def _fused(
     raw: torch.Tensor,
     panels: bool = False,
 ) -> torch.Tensor:
-    """x · Wᵀ by one of the extension's kernels on the blocks (float32 in and out);
-    only the integer kernel reads the panel layout."""
+    """x · Wᵀ by one of the extension's kernels on the blocks (float32 in and out),
+    in the panel layout when `panels`."""
     x = rows.float().contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
-    args = (qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads())
-    if panels:
-        fn(*args, panels=True)
-    else:
-        fn(*args)
+    fn(qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads(), panels=panels)
     return out if rows.dtype == torch.float32 else out.to(rows.dtype)
 
 
