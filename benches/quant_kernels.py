@@ -107,7 +107,7 @@ def kernel_rows(
             one = random_blocks(qtype, n, k, rng)
             ring = [GGUFLinear([(qtype, one.clone())], k, None) for _ in range(total // nbytes)]
             for layer in ring:
-                layer.pack_panels()  # as the loader lays them out (float then unpacks)
+                layer.pack_panels()  # as the loader lays them out
             for rows in rows_list:
                 x = torch.randn(rows, k)
                 names = (
