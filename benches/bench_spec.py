@@ -127,7 +127,13 @@ def main() -> None:
         "--weights",
         choices=("gguf", "bf16"),
         default="gguf",
-        help="the GGUF (Q4_1, float32 activations) or its weights dequantized to bf16",
+        help="the GGUF (Q4_1) or its weights dequantized to bf16",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="activations of the GGUF: auto (what a user gets: bfloat16 on a CPU with "
+        "AVX512-BF16, else float32) or float32",
     )
     ap.add_argument(
         "--methods",
@@ -140,9 +146,9 @@ def main() -> None:
     if args.quick:
         args.rounds, args.tokens, args.streams = 1, 16, "1"
     streams = [int(s) for s in args.streams.split(",")]
-    print(machine_header(), f"torch threads {torch.get_num_threads()}", flush=True)
+    print(machine_header(), f"torch threads {torch.get_num_threads()}, dtype {args.dtype}", flush=True)
     path = str(fetch())
-    dtype = "float32"
+    dtype = args.dtype
     if args.weights == "bf16":
         from bench_quant import dense_checkpoint
 
