@@ -146,7 +146,9 @@ def main() -> None:
     if args.quick:
         args.rounds, args.tokens, args.streams = 1, 16, "1"
     streams = [int(s) for s in args.streams.split(",")]
-    print(machine_header(), f"torch threads {torch.get_num_threads()}, dtype {args.dtype}", flush=True)
+    print(
+        machine_header(), f"torch threads {torch.get_num_threads()}, dtype {args.dtype}", flush=True
+    )
     path = str(fetch())
     dtype = args.dtype
     if args.weights == "bf16":

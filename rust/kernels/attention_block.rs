@@ -66,10 +66,18 @@ impl<'a, E: Elem> Rows<'a, E> {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        for line in self.row(t).chunks(64 / std::mem::size_of::<E>()) {
+        {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-            // SAFETY: a prefetch is a hint; it never faults, and the address is in bounds.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+            let row = self.row(t);
+            let (p, bytes) = (row.as_ptr().cast::<i8>(), std::mem::size_of_val(row));
+            // a plain stride over the row's lines (a `chunks` iterator cost a
+            // compare and a conditional move per line, on every token)
+            let mut at = 0;
+            while at < bytes {
+                // SAFETY: a prefetch is a hint; it never faults, and `at` is in the row.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at)) };
+                at += 64;
+            }
         }
     }
 }
@@ -83,12 +91,17 @@ impl<'a, E: Elem> Rows<'a, E> {
 /// partial sums, and one `sum_each` reduces them all (a horizontal sum per dot
 /// product costs more than its multiply-adds at head_dim 64).
 ///
+/// `DV` > 0: head_dim is `DV * LANES`, known when compiled, so a query head's
+/// vectors stay in registers over the run and each dot product is straight-line
+/// code (the same operations in the same order as the general loop: the same
+/// bits); 0: any head_dim.
+///
 /// # Safety
 /// Call only from code compiled for the instruction set of `S` (and AVX512-BF16
 /// when `DPBF16`), on a CPU that has it.
 #[allow(clippy::too_many_arguments)] // the block's operands, all distinct
 #[inline(always)]
-pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem>(
+pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem, const DV: usize>(
     q: &[f32],
     q_bits: &[u16],
     keys: Rows<'_, E>,
@@ -110,7 +123,38 @@ pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem>(
             // a row of d (q's, q_bits', the key's); the ISA is the caller's.
             let lanes = unsafe {
                 let mut acc = [S::zero(); 16];
-                for (j, a) in acc.iter_mut().enumerate().take(run) {
+                if DV > 0 {
+                    // loops, not `array::from_fn`: a closure is not compiled for the
+                    // caller's target features, so its intrinsics stay calls
+                    let mut qv = [S::zero(); DV];
+                    for (c, qc) in qv.iter_mut().enumerate() {
+                        *qc = S::load(qg.as_ptr().add(c * S::LANES));
+                    }
+                    for (j, a) in acc.iter_mut().enumerate().take(run) {
+                        if let (0, Some(next)) = (g, &next) {
+                            next.prefetch(start + j);
+                        }
+                        let key = keys.row(start + j);
+                        let mut v = S::zero();
+                        if dp {
+                            let qb = q_bits[g * d..].as_ptr();
+                            let kb = E::bits(key).unwrap_or(&[]).as_ptr();
+                            for c in 0..DV * S::LANES / 32 {
+                                v = S::dpbf16(v, qb.add(32 * c), kb.add(32 * c));
+                            }
+                        } else {
+                            for (c, qc) in qv.iter().enumerate() {
+                                v = S::fma(*qc, S::load_w(key.as_ptr().add(c * S::LANES)), v);
+                            }
+                        }
+                        *a = v;
+                    }
+                }
+                for (j, a) in acc
+                    .iter_mut()
+                    .enumerate()
+                    .take(if DV > 0 { 0 } else { run })
+                {
                     // the next block's row a token at a time, between this block's
                     // dot products: a burst of every line overflows the miss queue
                     if let (0, Some(next)) = (g, &next) {
@@ -158,7 +202,7 @@ pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem>(
 /// # Safety
 /// As `scores`: only inside code compiled for `S`'s instruction set.
 #[inline(always)]
-pub(super) unsafe fn values<S: Simd, E: Elem>(
+pub(super) unsafe fn values<S: Simd, E: Elem, const DV: usize>(
     p: &[f32],
     stride: usize,
     values: Rows<'_, E>,
@@ -178,6 +222,38 @@ pub(super) unsafe fn values<S: Simd, E: Elem>(
         (t0..values.tokens).for_each(prefetch);
     }
     let group = out.len() / d;
+    // head_dim known (DV > 0): a tile of heads whose every output vector is a
+    // register (16 of them: half the AVX-512 registers; 8 of AVX2's 16), each
+    // value row loaded once for the tile and the tokens the inner loop
+    if let Some(per) = (if S::LANES == 16 { 16usize } else { 8 }).checked_div(DV) {
+        let tile = per.clamp(1, 8);
+        let mut g0 = 0;
+        while g0 < group {
+            let (p, out) = (&p[g0 * stride..], &mut out[g0 * d..]);
+            let first = g0 == 0;
+            let g = tile.min(group - g0);
+            // SAFETY: the caller's ISA is `S`'s.
+            unsafe {
+                match g {
+                    8 => values_fixed::<S, E, 8, DV>(p, stride, values, t0, out, first, &prefetch),
+                    4.. => {
+                        values_fixed::<S, E, 4, DV>(p, stride, values, t0, out, first, &prefetch)
+                    }
+                    2 | 3 => {
+                        values_fixed::<S, E, 2, DV>(p, stride, values, t0, out, first, &prefetch)
+                    }
+                    _ => values_fixed::<S, E, 1, DV>(p, stride, values, t0, out, first, &prefetch),
+                }
+            }
+            g0 += match g {
+                8 => 8,
+                4.. => 4,
+                2 | 3 => 2,
+                _ => 1,
+            };
+        }
+        return;
+    }
     let mut g0 = 0;
     while g0 < group {
         // A tile of a constant number of heads, so its accumulators are registers.
@@ -246,6 +322,59 @@ unsafe fn values_tile<S: Simd, E: Elem, const G: usize>(
                 o = S::scalar_fma(p[g * stride + t], values.row(t)[i].to_f32(), o);
             }
             out[g * d + i] = o;
+        }
+    }
+}
+
+/// `values` for `G` query heads at head_dim `DV * LANES`: every output vector of
+/// the tile held in a register over the block's tokens (the same sums in the
+/// same order as `values_tile`: the same bits).
+///
+/// # Safety
+/// As `scores`: only inside code compiled for `S`'s instruction set.
+#[inline(always)]
+unsafe fn values_fixed<S: Simd, E: Elem, const G: usize, const DV: usize>(
+    p: &[f32],
+    stride: usize,
+    values: Rows<'_, E>,
+    t0: usize,
+    out: &mut [f32],
+    first: bool,
+    prefetch: &impl Fn(usize),
+) {
+    let (d, n) = (values.d, values.tokens);
+    assert!(d == DV * S::LANES && out.len() >= G * d && p.len() >= (G - 1) * stride + n);
+    // SAFETY: loads and stores touch LANES elements at c * LANES < d of rows of d
+    // (out's first G rows, value rows); p is read at g * stride + t < (G - 1) *
+    // stride + n (asserted above); the ISA is the caller's.
+    unsafe {
+        // loops, not `array::from_fn` (see `scores`)
+        let mut acc = [[S::zero(); DV]; G];
+        for (g, acc) in acc.iter_mut().enumerate() {
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = S::load(out.as_ptr().add(g * d + c * S::LANES));
+            }
+        }
+        for t in t0..n {
+            if first {
+                prefetch(t);
+            }
+            let row = values.row(t).as_ptr();
+            let mut v = [S::zero(); DV];
+            for (c, vc) in v.iter_mut().enumerate() {
+                *vc = S::load_w(row.add(c * S::LANES));
+            }
+            for (g, acc) in acc.iter_mut().enumerate() {
+                let pg = S::splat(*p.get_unchecked(g * stride + t));
+                for (a, vc) in acc.iter_mut().zip(&v) {
+                    *a = S::fma(pg, *vc, *a);
+                }
+            }
+        }
+        for (g, acc) in acc.iter().enumerate() {
+            for (c, a) in acc.iter().enumerate() {
+                S::store(out.as_mut_ptr().add(g * d + c * S::LANES), *a);
+            }
         }
     }
 }

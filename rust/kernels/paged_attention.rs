@@ -299,6 +299,31 @@ unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
     out: &mut [f32],
     s: &mut Scratch,
 ) {
+    // the common head sizes compiled for their size (registers, straight-line
+    // dot products: `attention_block`), any other by the general loops
+    let d = job.shape.head_dim;
+    // SAFETY: the caller's ISA is `S`'s (and AVX512-BF16 with DPBF16).
+    unsafe {
+        match d.is_multiple_of(S::LANES).then_some(d / S::LANES) {
+            Some(2) => attend_dv::<S, DPBF16, T, E, 2>(job, item, out, s),
+            Some(4) => attend_dv::<S, DPBF16, T, E, 4>(job, item, out, s),
+            Some(8) => attend_dv::<S, DPBF16, T, E, 8>(job, item, out, s),
+            _ => attend_dv::<S, DPBF16, T, E, 0>(job, item, out, s),
+        }
+    }
+}
+
+/// `attend` with head_dim `DV * LANES` when `DV` > 0 (any when 0).
+///
+/// # Safety
+/// As `attend`.
+#[inline(always)]
+unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const DV: usize>(
+    job: &Job<'_, T, E>,
+    item: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
     let sh = &job.shape;
     let (d, group, bs, heads) = (sh.head_dim, job.group, sh.block_size, job.heads_per_item);
     let items_per_seq = sh.num_kv_heads / heads;
@@ -357,7 +382,7 @@ unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
             };
             // SAFETY: the caller's ISA is `S`'s (and AVX512-BF16 with DPBF16).
             unsafe {
-                block::scores::<S, DPBF16, E>(
+                block::scores::<S, DPBF16, E, DV>(
                     &q[h * group_len..][..group_len],
                     qb,
                     rows(job.k, base + h * d, ts, d, n),
@@ -388,7 +413,7 @@ unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
                 .map(|(nb, m)| rows(job.v, nb, ts, row, m));
             // SAFETY: as for the scores.
             unsafe {
-                block::values::<S, E>(
+                block::values::<S, E, DV>(
                     &s.scores[h * group * bs..],
                     bs,
                     rows(job.v, base + h * d, ts, d, n),
