@@ -112,8 +112,14 @@ pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem, const DV: usiz
     stride: usize,
 ) {
     let (d, n) = (keys.d, keys.tokens);
+    assert!(
+        DV == 0 || d == DV * S::LANES,
+        "head_dim {d} is not DV * LANES"
+    );
     let dp = DPBF16 && E::IS_BF16;
-    // The elements the vector loop covers; the rest is the scalar tail.
+    // The elements the vector loop covers; the rest is the scalar tail. With DV
+    // (head_dim = DV * LANES) a constant: straight-line dot products.
+    let d = if DV > 0 { DV * S::LANES } else { d };
     let full = if dp { d - d % 32 } else { d - d % S::LANES };
     let mut start = t0;
     while start < n {
@@ -123,38 +129,14 @@ pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem, const DV: usiz
             // a row of d (q's, q_bits', the key's); the ISA is the caller's.
             let lanes = unsafe {
                 let mut acc = [S::zero(); 16];
-                if DV > 0 {
-                    // loops, not `array::from_fn`: a closure is not compiled for the
-                    // caller's target features, so its intrinsics stay calls
-                    let mut qv = [S::zero(); DV];
-                    for (c, qc) in qv.iter_mut().enumerate() {
-                        *qc = S::load(qg.as_ptr().add(c * S::LANES));
-                    }
-                    for (j, a) in acc.iter_mut().enumerate().take(run) {
-                        if let (0, Some(next)) = (g, &next) {
-                            next.prefetch(start + j);
-                        }
-                        let key = keys.row(start + j);
-                        let mut v = S::zero();
-                        if dp {
-                            let qb = q_bits[g * d..].as_ptr();
-                            let kb = E::bits(key).unwrap_or(&[]).as_ptr();
-                            for c in 0..DV * S::LANES / 32 {
-                                v = S::dpbf16(v, qb.add(32 * c), kb.add(32 * c));
-                            }
-                        } else {
-                            for (c, qc) in qv.iter().enumerate() {
-                                v = S::fma(*qc, S::load_w(key.as_ptr().add(c * S::LANES)), v);
-                            }
-                        }
-                        *a = v;
-                    }
+                // with DV, the query head's vectors in registers over the run
+                // (loops, not `array::from_fn`: a closure is not compiled for the
+                // caller's target features, so its intrinsics stay calls)
+                let mut qv = [S::zero(); DV];
+                for (c, qc) in qv.iter_mut().enumerate() {
+                    *qc = S::load(qg.as_ptr().add(c * S::LANES));
                 }
-                for (j, a) in acc
-                    .iter_mut()
-                    .enumerate()
-                    .take(if DV > 0 { 0 } else { run })
-                {
+                for (j, a) in acc.iter_mut().enumerate().take(run) {
                     // the next block's row a token at a time, between this block's
                     // dot products: a burst of every line overflows the miss queue
                     if let (0, Some(next)) = (g, &next) {
@@ -165,6 +147,10 @@ pub(super) unsafe fn scores<S: Simd, const DPBF16: bool, E: Elem, const DV: usiz
                         let (qb, kb) = (q_bits[g * d..].as_ptr(), E::bits(key).unwrap_or(&[]));
                         for c in (0..full).step_by(32) {
                             *a = S::dpbf16(*a, qb.add(c), kb.as_ptr().add(c));
+                        }
+                    } else if DV > 0 {
+                        for (c, qc) in qv.iter().enumerate() {
+                            *a = S::fma(*qc, S::load_w(key.as_ptr().add(c * S::LANES)), *a);
                         }
                     } else {
                         for c in (0..full).step_by(S::LANES) {
@@ -235,14 +221,18 @@ pub(super) unsafe fn values<S: Simd, E: Elem, const DV: usize>(
             // SAFETY: the caller's ISA is `S`'s.
             unsafe {
                 match g {
-                    8 => values_fixed::<S, E, 8, DV>(p, stride, values, t0, out, first, &prefetch),
+                    8 => {
+                        values_cols::<S, E, 8, DV>(p, stride, values, t0, out, 0, first, &prefetch)
+                    }
                     4.. => {
-                        values_fixed::<S, E, 4, DV>(p, stride, values, t0, out, first, &prefetch)
+                        values_cols::<S, E, 4, DV>(p, stride, values, t0, out, 0, first, &prefetch)
                     }
                     2 | 3 => {
-                        values_fixed::<S, E, 2, DV>(p, stride, values, t0, out, first, &prefetch)
+                        values_cols::<S, E, 2, DV>(p, stride, values, t0, out, 0, first, &prefetch)
                     }
-                    _ => values_fixed::<S, E, 1, DV>(p, stride, values, t0, out, first, &prefetch),
+                    _ => {
+                        values_cols::<S, E, 1, DV>(p, stride, values, t0, out, 0, first, &prefetch)
+                    }
                 }
             }
             g0 += match g {
@@ -277,8 +267,9 @@ pub(super) unsafe fn values<S: Simd, E: Elem, const DV: usize>(
     }
 }
 
-/// `values` for `G` query heads (`out` holds `G` rows of `d`); `prefetch(t)` is
-/// called for every token in the first pass when `first`.
+/// `values` for `G` query heads (`out` holds `G` rows of `d`), a vector of
+/// columns at a time and the scalar tail; `prefetch(t)` is called for every
+/// token in the first pass when `first`.
 ///
 /// # Safety
 /// As `scores`: only inside code compiled for `S`'s instruction set.
@@ -296,24 +287,10 @@ unsafe fn values_tile<S: Simd, E: Elem, const G: usize>(
     let full = d - d % S::LANES;
     assert!(out.len() == G * d && p.len() >= (G - 1) * stride + n);
     for c in (0..full).step_by(S::LANES) {
-        // SAFETY: loads and stores touch LANES elements at c < full <= d of rows
-        // of d (out's G rows, value rows); p is read at g * stride + t < (G - 1)
-        // * stride + n (asserted above); the ISA is the caller's.
+        // SAFETY: the caller's ISA is `S`'s; c + LANES <= d.
         unsafe {
-            let mut acc: [S::V; G] = std::array::from_fn(|g| S::load(out.as_ptr().add(g * d + c)));
-            for t in t0..n {
-                if first && c == 0 {
-                    prefetch(t);
-                }
-                let v = S::load_w(values.row(t).as_ptr().add(c));
-                for (g, a) in acc.iter_mut().enumerate() {
-                    *a = S::fma(S::splat(*p.get_unchecked(g * stride + t)), v, *a);
-                }
-            }
-            for (g, a) in acc.iter().enumerate() {
-                S::store(out.as_mut_ptr().add(g * d + c), *a);
-            }
-        }
+            values_cols::<S, E, G, 1>(p, stride, values, t0, out, c, first && c == 0, prefetch)
+        };
     }
     for i in full..d {
         for g in 0..G {
@@ -326,40 +303,42 @@ unsafe fn values_tile<S: Simd, E: Elem, const G: usize>(
     }
 }
 
-/// `values` for `G` query heads at head_dim `DV * LANES`: every output vector of
-/// the tile held in a register over the block's tokens (the same sums in the
-/// same order as `values_tile`: the same bits).
+/// Columns `c0..c0 + DV * LANES` of `values` for `G` query heads: every output
+/// vector of them held in a register over the block's tokens, each value vector
+/// loaded once for the tile (per output element, the sum over tokens in order).
 ///
 /// # Safety
 /// As `scores`: only inside code compiled for `S`'s instruction set.
+#[allow(clippy::too_many_arguments)] // the block's operands, all distinct
 #[inline(always)]
-unsafe fn values_fixed<S: Simd, E: Elem, const G: usize, const DV: usize>(
+unsafe fn values_cols<S: Simd, E: Elem, const G: usize, const DV: usize>(
     p: &[f32],
     stride: usize,
     values: Rows<'_, E>,
     t0: usize,
     out: &mut [f32],
+    c0: usize,
     first: bool,
     prefetch: &impl Fn(usize),
 ) {
     let (d, n) = (values.d, values.tokens);
-    assert!(d == DV * S::LANES && out.len() >= G * d && p.len() >= (G - 1) * stride + n);
-    // SAFETY: loads and stores touch LANES elements at c * LANES < d of rows of d
-    // (out's first G rows, value rows); p is read at g * stride + t < (G - 1) *
-    // stride + n (asserted above); the ISA is the caller's.
+    assert!(c0 + DV * S::LANES <= d && out.len() >= G * d && p.len() >= (G - 1) * stride + n);
+    // SAFETY: loads and stores touch LANES elements at c0 + c * LANES, below d
+    // (asserted), of rows of d (out's first G rows, value rows); p is read at
+    // g * stride + t < (G - 1) * stride + n (asserted); the ISA is the caller's.
     unsafe {
         // loops, not `array::from_fn` (see `scores`)
         let mut acc = [[S::zero(); DV]; G];
         for (g, acc) in acc.iter_mut().enumerate() {
             for (c, a) in acc.iter_mut().enumerate() {
-                *a = S::load(out.as_ptr().add(g * d + c * S::LANES));
+                *a = S::load(out.as_ptr().add(g * d + c0 + c * S::LANES));
             }
         }
         for t in t0..n {
             if first {
                 prefetch(t);
             }
-            let row = values.row(t).as_ptr();
+            let row = values.row(t).as_ptr().add(c0);
             let mut v = [S::zero(); DV];
             for (c, vc) in v.iter_mut().enumerate() {
                 *vc = S::load_w(row.add(c * S::LANES));
@@ -373,7 +352,7 @@ unsafe fn values_fixed<S: Simd, E: Elem, const G: usize, const DV: usize>(
         }
         for (g, acc) in acc.iter().enumerate() {
             for (c, a) in acc.iter().enumerate() {
-                S::store(out.as_mut_ptr().add(g * d + c * S::LANES), *a);
+                S::store(out.as_mut_ptr().add(g * d + c0 + c * S::LANES), *a);
             }
         }
     }
