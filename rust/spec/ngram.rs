@@ -164,7 +164,7 @@ impl NgramProposer {
     }
 
     /// The continuation of the latest earlier occurrence of the row's last n
-    /// tokens, longest n first.
+    /// tokens, longest n first; a repeating tail is continued by its period.
     fn lookup(&self, state: &Row, max_drafts: usize, out: &mut Vec<u32>) -> usize {
         let tokens = &state.tokens;
         let len = tokens.len();
@@ -183,9 +183,21 @@ impl NgramProposer {
             if tokens[end - n..end] != *suffix {
                 continue; // a hash collision
             }
-            let stop = (end + max_drafts).min(len);
-            out.extend_from_slice(&tokens[end..stop]);
-            return stop - end;
+            // The continuation runs on past the context when the match is
+            // within the last `max_drafts` tokens: the text repeats with
+            // period `len - end`, so it goes on repeating (token `end + i` of
+            // the context followed by the drafts themselves).
+            let start = out.len();
+            for i in 0..max_drafts {
+                let at = end + i;
+                let token = if at < len {
+                    tokens[at]
+                } else {
+                    out[start + at - len]
+                };
+                out.push(token);
+            }
+            return max_drafts;
         }
         0
     }

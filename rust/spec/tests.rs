@@ -19,13 +19,20 @@ fn proposes_the_continuation_of_the_latest_match() {
 }
 
 #[test]
-fn no_match_no_proposal_and_drafts_never_pass_the_end() {
+fn no_match_no_proposal_and_a_repeating_tail_goes_on_repeating() {
     let mut p = NgramProposer::new(1, 2, 4).unwrap();
     p.add(0, &[1, 2, 3, 4]).unwrap();
     assert!(propose(&mut p, 0, &[], 5).is_empty());
-    // "3 4" seen once, at 2..4, followed by the new "3 4" only: capped at the end
-    assert_eq!(propose(&mut p, 0, &[3, 4], 5), vec![3, 4]);
+    // "3 4" seen once, at 2..4, followed by the new "3 4" only: the text
+    // repeats with period 2, so the drafts repeat it past the end
+    assert_eq!(propose(&mut p, 0, &[3, 4], 5), vec![3, 4, 3, 4, 3]);
     assert!(propose(&mut p, 0, &[], 0).is_empty());
+    // period 3: the longest match of the tail "8 9 7 8" is at 2..6, three
+    // before the end: its continuation is "9 7 8" from the context, then the
+    // drafts' own "9 7 8 9"
+    let mut p = NgramProposer::new(1, 2, 4).unwrap();
+    p.add(0, &[6, 7, 8, 9, 7, 8, 9, 7, 8]).unwrap();
+    assert_eq!(propose(&mut p, 0, &[], 7), vec![9, 7, 8, 9, 7, 8, 9]);
 }
 
 #[test]
