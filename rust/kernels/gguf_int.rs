@@ -239,9 +239,9 @@ fn rows_avx512vnni<B: IntBlock>(w: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, 
 /// `P::LANES` weight rows at a time (in the GGUF layout, the last panel repeats
 /// its last row into the lanes it lacks, whose results are dropped), x rows in
 /// groups that share each unpacked block (a row's result does not depend on its
-/// group): all of them below 8 rows (one unpack of each block for a
-/// verification's k + 1 rows: 1.4-1.7x at 5 rows on Zen 5), up to `P::MAX_GROUP`
-/// below 32 rows, else 32 or 64, whose
+/// group): all of them up to `P::MAX_GROUP` rows (one unpack of each block for
+/// a verification's k + 1 rows: 1.4-1.7x at 5 rows on Zen 5), groups of
+/// `P::MAX_GROUP` (or 8) below 32 rows, else 32 or 64, whose
 /// accumulators live in memory but which unpack each block once for all of them
 /// (1.04-1.25x at 64 rows on Zen 5).
 #[inline(always)]
@@ -294,15 +294,23 @@ fn groups<P: Panel, B: IntBlock, S: Source<P>>(
             64.. => 64,
             32.. => 32,
             16.. if P::MAX_GROUP == 16 => 16,
-            8.. => 8,
-            // below 8, one group of them all: each unpacks the blocks once
-            few => few,
+            // below MAX_GROUP, one group of them all: each unpacks the blocks
+            // once (a verification of k = 8 drafts is 9 rows)
+            few if few <= P::MAX_GROUP => few,
+            _ => 8,
         };
         let mut out = [[0.0f32; 16]; 64];
         match size {
             64 => panel::<P, B, S, 64>(src, next, xq, r, &mut out),
             32 => panel::<P, B, S, 32>(src, next, xq, r, &mut out),
             16 => panel::<P, B, S, 16>(src, next, xq, r, &mut out),
+            15 => panel::<P, B, S, 15>(src, next, xq, r, &mut out),
+            14 => panel::<P, B, S, 14>(src, next, xq, r, &mut out),
+            13 => panel::<P, B, S, 13>(src, next, xq, r, &mut out),
+            12 => panel::<P, B, S, 12>(src, next, xq, r, &mut out),
+            11 => panel::<P, B, S, 11>(src, next, xq, r, &mut out),
+            10 => panel::<P, B, S, 10>(src, next, xq, r, &mut out),
+            9 => panel::<P, B, S, 9>(src, next, xq, r, &mut out),
             8 => panel::<P, B, S, 8>(src, next, xq, r, &mut out),
             7 => panel::<P, B, S, 7>(src, next, xq, r, &mut out),
             6 => panel::<P, B, S, 6>(src, next, xq, r, &mut out),

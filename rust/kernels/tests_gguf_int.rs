@@ -197,7 +197,7 @@ fn a_row_has_the_same_bits_alone_and_in_any_batch() {
     let mut rng = Rng(5);
     for t in INT_TYPES {
         let w = blocks(t, n, k, &mut rng);
-        for m in [115, 2, 4, 5, 6, 7, 8] {
+        for m in [115, 2, 4, 5, 6, 7, 8, 9, 12, 15] {
             let x = xs(m, k, &mut rng);
             for isa in QuantIsa::available() {
                 let mut all = vec![0.0; m * n];
