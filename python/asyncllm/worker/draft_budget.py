@@ -10,9 +10,26 @@ two estimates, both updated every step, and picks the draft cap that maximises
 expected tokens per second:
 
 - the step's cost in seconds as `t0 + t1 * rows`, a least-squares fit over recent
-  steps of decodes and drafts (exponentially forgotten, so it follows load and
-  batch changes; prompt chunks run other kernels at another cost per row);
-- each draft position's acceptance given the one before it was accepted.
+  steps of decodes and drafts (exponentially forgotten, so it follows load;
+  prompt chunks run other kernels at another cost per row), one fit per batch
+  size (requests in the step, in powers of two): a step of one request is bound
+  by its weight read, one of 16 by compute, and a single line through both
+  priced a lone request's drafts at the compute-bound rate (SmolLM2 GGUF, Zen
+  5: 16 streams then one gave 1.56x where one stream alone gave 1.80x);
+- each draft position's acceptance given the one before it was accepted, over
+  all requests and per request (its own recent verifications, with the
+  all-request rate as a prior): an editing request copying its prompt and a
+  chat one with nothing to copy in the same batch get the drafts each pays
+  for, and a lone request's estimate follows its own text within a few steps
+  (a shared one, decayed once a step at batch 1, kept the last workload's
+  rate for tens of steps).
+
+The caps maximise the step's expected tokens per second over every request's
+draft positions at once: a position's gain is the probability that it and
+every one before it are accepted, its cost one row; for a given number of
+rows the best are those of the highest gains, so the positions are ranked by
+gain and the best prefix of the ranking is taken. Each request's share is a
+prefix of its own positions (its gains fall with the position).
 
 Until the fit has seen two row counts it allows every draft (optimistic: the
 acceptance estimates need drafts to learn). Where it settles on no drafts, every
@@ -28,89 +45,125 @@ import numpy as np
 FORGET = 0.05
 # With no drafts allowed, every this many steps proposes the full k anyway.
 EXPLORE_EVERY = 32
-# The most drafts whose expected rate is within this share of the best: the
-# estimates are noisy and near the top the curve is flat (SmolLM2 GGUF, batch 1,
-# editing: 2 drafts 72 tok/s against 4 drafts 76 by the fit), and more drafts keep
-# the later positions' acceptance observed.
-SLACK = 0.03
+# Past the best rate, positions whose gain falls short of paying for their row
+# by at most this share are taken too: the estimates are noisy and near the top
+# the curve is flat (SmolLM2 GGUF, batch 1, editing: 2 drafts 72 tok/s against
+# 4 drafts 76 by the fit), and more drafts keep the later positions' acceptance
+# observed.
+SLACK = 0.1
 # Acceptance assumed per position before any verification (a prior of this many
 # drafts at this rate).
 PRIOR_RATE, PRIOR_WEIGHT = 0.7, 4.0
+# A request's own estimate: its verifications forgotten at this rate each, and
+# the all-request rate weighing as this many of them.
+ROW_FORGET, ROW_PRIOR_WEIGHT = 0.2, 2.0
 
 
 class DraftBudget:
-    """The draft cap per request for the next step (`cap`), from the observed
-    step times (`observe_step`) and verification outcomes (`observe_verified`)."""
+    """The draft cap of each request for the next step (`caps`), from the
+    observed step times (`observe_step`) and verification outcomes
+    (`observe_verified`) of the runner's batch rows (`num_rows` of them;
+    `reset` when a row's request changes)."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, num_rows: int) -> None:
         self.k = k
-        # decayed sums for the fit time = t0 + t1 * rows: w, x, y, xx, xy
-        self._sums = np.zeros(5)
-        self._rows_seen: set[int] = set()
-        # per draft position: decayed counts of reached and accepted
+        # per batch-size bucket (`_bucket`): decayed sums for the fit
+        # time = t0 + t1 * rows (w, x, y, xx, xy), and the first row counts seen
+        self._sums: dict[int, np.ndarray] = {}
+        self._rows_seen: dict[int, set[int]] = {}
+        # per draft position, over all requests: decayed counts of reached and
+        # accepted; and the same per batch row
         self._reached = np.full(k, PRIOR_WEIGHT)
         self._accepted = np.full(k, PRIOR_WEIGHT * PRIOR_RATE)
+        self._row_reached = np.zeros((num_rows, k))
+        self._row_accepted = np.zeros((num_rows, k))
+        self._positions = np.arange(k)
         self._since_drafts = 0
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A step of `rows` tokens took `seconds` (forward, sampling, proposal)."""
-        self._sums *= 1.0 - FORGET
-        self._sums += (1.0, rows, seconds, rows * rows, rows * seconds)
-        if len(self._rows_seen) < 2:
-            self._rows_seen.add(rows)
+    def reset(self, row: int) -> None:
+        """Batch row `row` holds another request: forget its acceptance."""
+        self._row_reached[row] = 0.0
+        self._row_accepted[row] = 0.0
 
-    def observe_verified(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
-        """Each request's drafts and how many of them were accepted (a prefix)."""
+    def observe_step(self, requests: int, rows: int, seconds: float) -> None:
+        """A step of `requests` requests and `rows` tokens took `seconds`
+        (forward, sampling, proposal)."""
+        bucket = _bucket(requests)
+        sums = self._sums.setdefault(bucket, np.zeros(5))
+        sums *= 1.0 - FORGET
+        sums += (1.0, rows, seconds, rows * rows, rows * seconds)
+        seen = self._rows_seen.setdefault(bucket, set())
+        if len(seen) < 2:
+            seen.add(rows)
+
+    def observe_verified(
+        self, rows: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray
+    ) -> None:
+        """The drafts of the requests at batch rows `rows` and how many of them
+        were accepted (a prefix)."""
         drafted = num_drafts > 0
         count = int(np.count_nonzero(drafted))
         if count == 0:
             return
-        d, a = num_drafts[drafted], num_accepted[drafted]
-        # position j was reached by the requests with min(a + 1, d) > j, and
-        # accepted by those with a > j: counts of each, summed from the top
-        k = self.k
-        reached = np.bincount(np.minimum(a + 1, d), minlength=k + 1)[::-1].cumsum()[::-1]
-        took = np.bincount(a, minlength=k + 1)[::-1].cumsum()[::-1]
+        d, a, rows = num_drafts[drafted], num_accepted[drafted], rows[drafted]
+        # position j was reached by a request with min(a + 1, d) > j, and
+        # accepted by one with a > j
+        reached = self._positions < np.minimum(a + 1, d)[:, None]
+        took = self._positions < a[:, None]
         decay = (1.0 - FORGET) ** count
-        self._reached = self._reached * decay + reached[1 : k + 1]
-        self._accepted = self._accepted * decay + took[1 : k + 1]
+        self._reached = self._reached * decay + reached.sum(axis=0)
+        self._accepted = self._accepted * decay + took.sum(axis=0)
+        self._row_reached[rows] = self._row_reached[rows] * (1.0 - ROW_FORGET) + reached
+        self._row_accepted[rows] = self._row_accepted[rows] * (1.0 - ROW_FORGET) + took
 
-    def cost(self) -> tuple[float, float] | None:
-        """(t0, t1) of the fitted step time, or None while it cannot be fitted."""
-        w, x, y, xx, xy = (float(v) for v in self._sums)
+    def cost(self, requests: int) -> tuple[float, float] | None:
+        """(t0, t1) of the fitted time of a step of `requests` requests, or None
+        while it cannot be fitted."""
+        bucket = _bucket(requests)
+        if len(self._rows_seen.get(bucket, ())) < 2:
+            return None
+        w, x, y, xx, xy = (float(v) for v in self._sums[bucket])
         var = w * xx - x * x
-        if len(self._rows_seen) < 2 or var <= 1e-9 * max(w * xx, 1e-30):
+        if var <= 1e-9 * max(w * xx, 1e-30):
             return None
         # noise can tilt the slope below 0: extra rows are then free
         t1 = max((w * xy - x * y) / var, 0.0)
         return max((y - t1 * x) / w, 0.0), t1
 
-    def cap(self, num_rows: int, num_proposing: int) -> int:
-        """The most drafts each of `num_proposing` requests may verify in a step
-        of `num_rows` requests."""
-        if num_proposing == 0:
-            return self.k
-        fit = self.cost()
-        if fit is None:
-            return self.k
+    def caps(self, num_rows: int, proposing: np.ndarray) -> np.ndarray:
+        """The most drafts each request at batch rows `proposing` may verify in
+        a step of `num_rows` requests."""
+        n = len(proposing)
+        full = np.full(n, self.k, dtype=np.int64)
+        fit = self.cost(num_rows)
+        if n == 0 or fit is None:
+            return full
         t0, t1 = fit
-        # expected tokens per second with d drafts each: the accepted prefix's
-        # expected length is the sum over j <= d of P(the first j all accepted)
-        gains, reach = [0.0], 1.0
-        for took, reached in zip(self._accepted.tolist(), self._reached.tolist(), strict=True):
-            reach *= min(took / max(reached, 1e-9), 1.0)
-            gains.append(gains[-1] + reach)
-        rates = [
-            (num_rows + num_proposing * gain) / max(t0 + t1 * (num_rows + num_proposing * d), 1e-9)
-            for d, gain in enumerate(gains)
-        ]
-        top = max(rates)
-        best = max(d for d, rate in enumerate(rates) if rate >= top * (1.0 - SLACK))
+        # P(position j accepted | the ones before it were): the request's own
+        # counts with the all-request rate as a prior
+        prior = np.minimum(self._accepted / np.maximum(self._reached, 1e-9), 1.0)
+        took, reached = self._row_accepted[proposing], self._row_reached[proposing]
+        rate = (took + ROW_PRIOR_WEIGHT * prior) / (reached + ROW_PRIOR_WEIGHT)
+        # a position's gain: P(it and every one before it accepted)
+        gains = np.cumprod(np.minimum(rate, 1.0), axis=1).ravel()
+        order = np.argsort(-gains, kind="stable")
+        tokens = num_rows + np.concatenate(([0.0], np.cumsum(gains[order])))
+        rates = tokens / np.maximum(t0 + t1 * (num_rows + np.arange(len(order) + 1)), 1e-9)
+        # a position pays for its row at the best rate when its gain is at least
+        # rate * t1 (tokens a row's time brings at that rate)
+        best = int(np.argmax(rates))
+        need = rates[best] * t1 * (1.0 - SLACK)
+        best = max(best, int(np.count_nonzero(gains[order] >= need)))
         if best > 0:
             self._since_drafts = 0
-            return best
+            return np.bincount(order[:best] // self.k, minlength=n).astype(np.int64)
         self._since_drafts += 1
         if self._since_drafts >= EXPLORE_EVERY:
             self._since_drafts = 0
-            return self.k
-        return 0
+            return full
+        return np.zeros(n, dtype=np.int64)
+
+
+def _bucket(requests: int) -> int:
+    """The batch-size bucket of a step of `requests` requests: 1, 2-3, 4-7, ..."""
+    return max(requests, 1).bit_length()

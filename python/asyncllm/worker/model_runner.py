@@ -174,7 +174,8 @@ class ModelRunner:
         with kernel_rows.choose_by(decode_rows):
             out = self._run(so, step)
         if decode_rows:  # what verification costs: steps of decodes and drafts only
-            self.spec.observe_step(step.num_tokens, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.spec.observe_step(decode_rows, step.num_tokens, seconds)
         return out
 
     def _run(self, so: SchedulerOutput, step: StepInputs) -> ModelRunnerOutput:

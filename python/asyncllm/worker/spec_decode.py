@@ -94,7 +94,7 @@ class SpecDecoder:
         else:
             self.proposer = make_proposer(spec, max_num_seqs)
         self.eligible = np.zeros(max_num_seqs, dtype=bool)
-        self.budget = DraftBudget(self.k) if spec.adaptive_drafts else None
+        self.budget = DraftBudget(self.k, max_num_seqs) if spec.adaptive_drafts else None
         self._no_tokens = np.zeros(0, dtype=np.int32)
 
     def add(self, ib: InputBatch, row: int, new: NewRequestData) -> None:
@@ -108,6 +108,8 @@ class SpecDecoder:
             and p.prompt_logprobs is None
         )
         self.eligible[row] = ok
+        if self.budget is not None:
+            self.budget.reset(row)
         if not ok or self.proposer is None:
             return  # the draft model starts a row from nothing (`DraftModel.remove`)
         tokens = np.asarray(new.token_ids, dtype=np.int32)
@@ -156,13 +158,14 @@ class SpecDecoder:
             num_accepted[i] = a
             tokens.append(drawn_list[s : s + a + 1])
         if self.budget is not None:
-            self.budget.observe_verified(exp.num_drafts, num_accepted)
+            self.budget.observe_verified(rows, exp.num_drafts, num_accepted)
         return num_accepted, tokens
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A speculative engine's step of `rows` tokens took `seconds`."""
+    def observe_step(self, requests: int, rows: int, seconds: float) -> None:
+        """A speculative engine's step of `requests` requests and `rows` tokens
+        took `seconds`."""
         if self.budget is not None:
-            self.budget.observe_step(rows, seconds)
+            self.budget.observe_step(requests, rows, seconds)
 
     def propose(
         self,
@@ -181,7 +184,7 @@ class SpecDecoder:
         if not keep.any():
             return {}
         idx = np.flatnonzero(keep)
-        cap = self.k if self.budget is None else self.budget.cap(len(rows), len(idx))
+        cap = self.k if self.budget is None else self.budget.caps(len(rows), rows[idx])
         max_drafts = np.clip(room[idx], 0, cap).astype(np.int64)
         if self.draft is not None:
             proposed = self.draft.propose(ib, rows[idx], max_drafts)
