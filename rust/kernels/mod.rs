@@ -8,6 +8,7 @@
 
 mod attention_block;
 mod attention_job;
+mod attention_runs;
 mod bf16;
 mod decode_layers;
 mod decode_proj;
@@ -36,6 +37,8 @@ mod silu_mul;
 pub(crate) mod team;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_attention_runs;
 #[cfg(test)]
 mod tests_gguf;
 #[cfg(test)]

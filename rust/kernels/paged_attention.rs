@@ -29,6 +29,7 @@ use rayon::prelude::*;
 use super::attention_block::{self as block, Rows};
 use super::attention_job::{shape_err, Job, Scratch};
 pub use super::attention_job::{BlockIndex, DecodeShape, KvCache};
+use super::attention_runs as runs;
 use super::bf16::{self, IsaCap, KvElem};
 use super::exp;
 use super::linear_simd::{self as simd, Simd};
@@ -129,13 +130,18 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
         num_threads,
     )?;
     job.window = window;
+    if window == 0 {
+        if let Some(pieces) = runs::pieces(&job, num_threads) {
+            return runs::attend_pieces(&job, &pieces, isa, num_threads, out);
+        }
+    }
     let heads = job.heads_per_item;
     let chunk = heads * job.group * shape.head_dim;
     let num_items = shape.num_seqs * shape.num_kv_heads / heads;
     if num_threads == 1 || num_items <= 1 {
         let mut scratch = Scratch::new(heads * job.group, shape.block_size);
         for (item, out) in out.chunks_exact_mut(chunk).enumerate() {
-            isa.attend(&job, item, out, &mut scratch);
+            isa.attend(&job, Work::Item(item), out, &mut scratch);
         }
         return Ok(());
     }
@@ -153,7 +159,7 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
                     // lock poisoned anyway, the iterator in it would still be valid.
                     let next = items.lock().unwrap_or_else(PoisonError::into_inner).next();
                     let Some((item, out)) = next else { break };
-                    isa.attend(&job, item, out, &mut scratch);
+                    isa.attend(&job, Work::Item(item), out, &mut scratch);
                 }
             })?;
         }
@@ -161,7 +167,7 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
             out.par_chunks_exact_mut(chunk)
                 .enumerate()
                 .for_each_init(new_scratch, |scratch, (item, out)| {
-                    isa.attend(&job, item, out, scratch)
+                    isa.attend(&job, Work::Item(item), out, scratch)
                 })
         }),
     }
@@ -218,24 +224,24 @@ impl Isa {
     }
 
     #[inline]
-    fn attend<T: BlockIndex, E: KvElem>(
+    pub(super) fn attend<T: BlockIndex, E: KvElem>(
         self,
         job: &Job<'_, T, E>,
-        item: usize,
+        work: Work<'_, T>,
         out: &mut [f32],
         s: &mut Scratch,
     ) {
         match self {
             // SAFETY: the portable variant uses no instruction a CPU may lack.
-            Isa::Portable => unsafe { attend::<simd::Portable, false, T, E>(job, item, out, s) },
+            Isa::Portable => unsafe { attend::<simd::Portable, false, T, E>(job, work, out, s) },
             // SAFETY: each variant is only constructed where the CPU has its
             // features (`detect`, or tests that check the same).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => unsafe { attend_avx2_fma(job, item, out, s) },
+            Isa::Avx2Fma => unsafe { attend_avx2_fma(job, work, out, s) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { attend_avx512(job, item, out, s) },
+            Isa::Avx512 => unsafe { attend_avx512(job, work, out, s) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Bf16 => unsafe { attend_avx512_bf16(job, item, out, s) },
+            Isa::Avx512Bf16 => unsafe { attend_avx512_bf16(job, work, out, s) },
         }
     }
 }
@@ -250,36 +256,36 @@ pub fn kernel_isa<E: KvElem>() -> Result<&'static str, KernelError> {
 #[target_feature(enable = "avx2,fma")]
 fn attend_avx2_fma<T: BlockIndex, E: KvElem>(
     job: &Job<'_, T, E>,
-    item: usize,
+    work: Work<'_, T>,
     out: &mut [f32],
     s: &mut Scratch,
 ) {
     // SAFETY: compiled with AVX2 and FMA, the features `simd::Avx2` uses.
-    unsafe { attend::<simd::Avx2, false, T, E>(job, item, out, s) }
+    unsafe { attend::<simd::Avx2, false, T, E>(job, work, out, s) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f")]
 fn attend_avx512<T: BlockIndex, E: KvElem>(
     job: &Job<'_, T, E>,
-    item: usize,
+    work: Work<'_, T>,
     out: &mut [f32],
     s: &mut Scratch,
 ) {
     // SAFETY: compiled with AVX-512F, the feature `simd::Avx512` uses.
-    unsafe { attend::<simd::Avx512, false, T, E>(job, item, out, s) }
+    unsafe { attend::<simd::Avx512, false, T, E>(job, work, out, s) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f,avx512bf16")]
 fn attend_avx512_bf16<T: BlockIndex, E: KvElem>(
     job: &Job<'_, T, E>,
-    item: usize,
+    work: Work<'_, T>,
     out: &mut [f32],
     s: &mut Scratch,
 ) {
     // SAFETY: compiled with AVX-512F and AVX512-BF16 (`simd::Avx512`, `vdpbf16ps`).
-    unsafe { attend::<simd::Avx512, true, T, E>(job, item, out, s) }
+    unsafe { attend::<simd::Avx512, true, T, E>(job, work, out, s) }
 }
 
 /// One work item: the KV heads `heads_per_item * i .. heads_per_item * (i + 1)`
@@ -295,7 +301,7 @@ fn attend_avx512_bf16<T: BlockIndex, E: KvElem>(
 #[inline(always)]
 unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
     job: &Job<'_, T, E>,
-    item: usize,
+    work: Work<'_, T>,
     out: &mut [f32],
     s: &mut Scratch,
 ) {
@@ -305,10 +311,10 @@ unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
     // SAFETY: the caller's ISA is `S`'s (and AVX512-BF16 with DPBF16).
     unsafe {
         match d.is_multiple_of(S::LANES).then_some(d / S::LANES) {
-            Some(2) => attend_dv::<S, DPBF16, T, E, 2>(job, item, out, s),
-            Some(4) => attend_dv::<S, DPBF16, T, E, 4>(job, item, out, s),
-            Some(8) => attend_dv::<S, DPBF16, T, E, 8>(job, item, out, s),
-            _ => attend_dv::<S, DPBF16, T, E, 0>(job, item, out, s),
+            Some(2) => attend_dv::<S, DPBF16, T, E, 2>(job, work, out, s),
+            Some(4) => attend_dv::<S, DPBF16, T, E, 4>(job, work, out, s),
+            Some(8) => attend_dv::<S, DPBF16, T, E, 8>(job, work, out, s),
+            _ => attend_dv::<S, DPBF16, T, E, 0>(job, work, out, s),
         }
     }
 }
@@ -320,12 +326,19 @@ unsafe fn attend<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem>(
 #[inline(always)]
 unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const DV: usize>(
     job: &Job<'_, T, E>,
-    item: usize,
+    work: Work<'_, T>,
     out: &mut [f32],
     s: &mut Scratch,
 ) {
+    let item = match work {
+        // SAFETY: as this function's.
+        Work::Rows(rows) => {
+            return unsafe { attend_rows::<S, DPBF16, T, E, DV>(job, rows, out, s) }
+        }
+        Work::Item(item) => item,
+    };
     let sh = &job.shape;
-    let (d, group, bs, heads) = (sh.head_dim, job.group, sh.block_size, job.heads_per_item);
+    let (d, group, heads) = (sh.head_dim, job.group, job.heads_per_item);
     let items_per_seq = sh.num_kv_heads / heads;
     let (seq, first_head) = (item / items_per_seq, item % items_per_seq * heads);
     let len = job.seq_lens[seq];
@@ -336,15 +349,79 @@ unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const
     } else {
         &[]
     };
-    let table = &job.block_tables[seq * sh.blocks_per_seq..][..len.div_ceil(bs)];
+    let table = &job.block_tables[seq * sh.blocks_per_seq..][..len.div_ceil(sh.block_size)];
+    let rows = Queries {
+        q,
+        q_bits,
+        table,
+        lens: &[len],
+        first_head,
+        heads,
+    };
+    // SAFETY: as this function's.
+    unsafe { attend_rows::<S, DPBF16, T, E, DV>(job, &rows, out, s) }
+}
+
+/// A work item: the KV heads `item` stands for (`attend`), or a run's rows.
+#[derive(Clone, Copy)]
+pub(super) enum Work<'a, T> {
+    Item(usize),
+    Rows(&'a Queries<'a, T>),
+}
+
+/// What one work item attends with: the query heads of `heads` KV heads from
+/// `first_head` on, of one row or of a run of rows that read the same keys
+/// (`attention_runs`), with `table` the longest row's block table.
+pub(super) struct Queries<'a, T> {
+    /// `[heads][rows][group][head_dim]`.
+    pub(super) q: &'a [f32],
+    /// q in bf16 with DPBF16 (else empty), as `q`.
+    pub(super) q_bits: &'a [u16],
+    pub(super) table: &'a [T],
+    /// Each row's keys (`seq_len`), one more a row (a run), the last the longest.
+    pub(super) lens: &'a [usize],
+    pub(super) first_head: usize,
+    pub(super) heads: usize,
+}
+
+/// The rows of `rows` attending: `out` is `[heads][rows][group][head_dim]`.
+/// Blocks are the outer loop; in a block, each KV head's scores for all its
+/// query heads, the online-softmax update, then each KV head's values
+/// (`attention_block`). The next block's rows are prefetched as this one's
+/// are read. A row shorter than the longest counts only its own keys: the
+/// scores past its end are zeros, which add nothing to its values, so each row
+/// gets the bits it gets alone.
+///
+/// # Safety
+/// As `attend`.
+#[inline(always)]
+pub(super) unsafe fn attend_rows<
+    S: Simd,
+    const DPBF16: bool,
+    T: BlockIndex,
+    E: KvElem,
+    const DV: usize,
+>(
+    job: &Job<'_, T, E>,
+    rows: &Queries<'_, T>,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    let sh = &job.shape;
+    let (d, bs, heads, first_head) = (sh.head_dim, sh.block_size, rows.heads, rows.first_head);
+    let (q, q_bits, table, lens) = (rows.q, rows.q_bits, rows.table, rows.lens);
+    // query heads per KV head: each row's group
+    let group = job.group;
+    let per_kv = lens.len() * group;
+    let len = lens[lens.len() - 1];
     let ts = job.token_stride;
     out.fill(0.0);
-    s.max.fill(f32::NEG_INFINITY);
-    s.sum.fill(0.0);
+    s.max[..heads * per_kv].fill(f32::NEG_INFINITY);
+    s.sum[..heads * per_kv].fill(0.0);
     // In range: `Job::new` checked every block id this call reads.
     let base_of = |block: &T| block.to_i64() as usize * job.block_stride + first_head * d;
     // One KV head's rows of a block (`Rows::new` checks they are in the cache).
-    fn rows<'a, E: KvElem>(
+    fn rows_of<'a, E: KvElem>(
         cache: KvCache<'a, E>,
         start: usize,
         ts: usize,
@@ -359,7 +436,7 @@ unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const
     } else {
         0
     };
-    let group_len = group * d;
+    let group_len = per_kv * d;
     let row = heads * d;
     for (j, block) in table.iter().enumerate().skip(first / bs) {
         let n = bs.min(len - j * bs);
@@ -374,7 +451,7 @@ unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const
             // (a head's row at a time, strided, measured ~12 % slower in bf16).
             let next_keys = next
                 .filter(|_| h == 0)
-                .map(|(nb, m)| rows(job.k, nb, ts, row, m));
+                .map(|(nb, m)| rows_of(job.k, nb, ts, row, m));
             let qb = if DPBF16 {
                 &q_bits[h * group_len..][..group_len]
             } else {
@@ -385,17 +462,24 @@ unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const
                 block::scores::<S, DPBF16, E, DV>(
                     &q[h * group_len..][..group_len],
                     qb,
-                    rows(job.k, base + h * d, ts, d, n),
+                    rows_of(job.k, base + h * d, ts, d, n),
                     next_keys,
                     t0,
                     job.scale,
-                    &mut s.scores[h * group * bs..],
+                    &mut s.scores[h * per_kv * bs..],
                     bs,
                 )
             };
         }
         for (qh, out) in out.chunks_exact_mut(d).enumerate() {
-            let row = &mut s.scores[qh * bs + t0..qh * bs + n];
+            // this query's row's keys in the block end at `end`
+            let end = n.min(lens[qh % per_kv / group].saturating_sub(j * bs));
+            let scores = &mut s.scores[qh * bs..qh * bs + n];
+            if end <= t0 {
+                scores[t0..].fill(0.0);
+                continue;
+            }
+            let row = &mut scores[t0..end];
             let block_max = exp::max_of(row);
             if block_max > s.max[qh] {
                 if s.max[qh] != f32::NEG_INFINITY {
@@ -406,17 +490,18 @@ unsafe fn attend_dv<S: Simd, const DPBF16: bool, T: BlockIndex, E: KvElem, const
                 s.max[qh] = block_max;
             }
             s.sum[qh] += exp::exp_shifted_sum::<S>(row, s.max[qh]);
+            scores[end..].fill(0.0);
         }
         for h in 0..heads {
             let next_values = next
                 .filter(|_| h == 0)
-                .map(|(nb, m)| rows(job.v, nb, ts, row, m));
+                .map(|(nb, m)| rows_of(job.v, nb, ts, row, m));
             // SAFETY: as for the scores.
             unsafe {
                 block::values::<S, E, DV>(
-                    &s.scores[h * group * bs..],
+                    &s.scores[h * per_kv * bs..],
                     bs,
-                    rows(job.v, base + h * d, ts, d, n),
+                    rows_of(job.v, base + h * d, ts, d, n),
                     next_values,
                     t0,
                     &mut out[h * group_len..][..group_len],

@@ -22,19 +22,25 @@ impl Rng {
     }
 }
 
-struct Case {
-    shape: DecodeShape,
-    q: Vec<f32>,
-    cache: Vec<f32>,
-    tables: Vec<i64>,
-    seq_lens: Vec<i64>,
-    scale: f32,
+pub(super) struct Case {
+    pub(super) shape: DecodeShape,
+    pub(super) q: Vec<f32>,
+    pub(super) cache: Vec<f32>,
+    pub(super) tables: Vec<i64>,
+    pub(super) seq_lens: Vec<i64>,
+    pub(super) scale: f32,
 }
 
 /// Sequences of the given lengths whose blocks are scattered over the cache in a
 /// random order; table entries past a sequence's last block point out of range
 /// (-1), which the kernel must never read.
-fn case(heads: usize, kv_heads: usize, head_dim: usize, seq_lens: &[usize], seed: u64) -> Case {
+pub(super) fn case(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seq_lens: &[usize],
+    seed: u64,
+) -> Case {
     let block_size = 16;
     let mut rng = Rng(seed * 0x9E37_79B9_7F4A_7C15 + 1);
     let blocks_per_seq = seq_lens
@@ -132,7 +138,7 @@ fn reference_windowed(c: &Case, window: usize) -> Vec<f64> {
 
 /// Every variant this CPU runs (by feature detection, not `ASYNCLLM_KERNEL_ISA`);
 /// `bf16` adds the AVX512-BF16 one where present.
-fn isas(bf16: bool) -> Vec<Isa> {
+pub(super) fn isas(bf16: bool) -> Vec<Isa> {
     #[allow(unused_mut)]
     let mut isas = vec![Isa::Portable];
     #[cfg(target_arch = "x86_64")]
