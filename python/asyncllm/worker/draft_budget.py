@@ -16,13 +16,14 @@ expected tokens per second:
   by its weight read, one of 16 by compute, and a single line through both
   priced a lone request's drafts at the compute-bound rate (SmolLM2 GGUF, Zen
   5: 16 streams then one gave 1.56x where one stream alone gave 1.80x);
-- each draft position's acceptance given the one before it was accepted, over
-  all requests and per request (its own recent verifications, with the
-  all-request rate as a prior): an editing request copying its prompt and a
-  chat one with nothing to copy in the same batch get the drafts each pays
-  for, and a lone request's estimate follows its own text within a few steps
-  (a shared one, decayed once a step at batch 1, kept the last workload's
-  rate for tens of steps).
+- each draft position's acceptance given the one before it was accepted, per
+  request (its own recent verifications at that position, with its rate over
+  all positions as the prior, and the all-request rate as that one's): an
+  editing request copying its prompt and a chat one with nothing to copy in
+  the same batch get the drafts each pays for, a lone request's estimate
+  follows its own text within a few steps (a shared one, decayed once a step
+  at batch 1, kept the last workload's rate for tens of steps), and positions
+  a request's caps have not reached yet are expected to go as its others do.
 
 The caps maximise the step's expected tokens per second over every request's
 draft positions at once: a position's gain is the probability that it and
@@ -140,10 +141,15 @@ class DraftBudget:
             return full
         t0, t1 = fit
         # P(position j accepted | the ones before it were): the request's own
-        # counts with the all-request rate as a prior
-        prior = np.minimum(self._accepted / np.maximum(self._reached, 1e-9), 1.0)
+        # counts at j, with its rate over all positions as the prior (so a
+        # request whose drafts were all accepted expects the same of positions
+        # its caps have not reached yet), that one with the all-request rate
         took, reached = self._row_accepted[proposing], self._row_reached[proposing]
-        rate = (took + ROW_PRIOR_WEIGHT * prior) / (reached + ROW_PRIOR_WEIGHT)
+        overall = float(self._accepted.sum() / max(float(self._reached.sum()), 1e-9))
+        own = (took.sum(axis=1) + ROW_PRIOR_WEIGHT * overall) / (
+            reached.sum(axis=1) + ROW_PRIOR_WEIGHT
+        )
+        rate = (took + ROW_PRIOR_WEIGHT * own[:, None]) / (reached + ROW_PRIOR_WEIGHT)
         # a position's gain: P(it and every one before it accepted)
         gains = np.cumprod(np.minimum(rate, 1.0), axis=1).ravel()
         order = np.argsort(-gains, kind="stable")
