@@ -131,6 +131,7 @@ impl<E: Elem> ProjLora<'_, E> {
 }
 
 /// `out[m, n] = x[m, k] · Wᵀ (+ bias)` on `num_threads` threads.
+#[inline(always)]
 pub(super) fn project<E: Elem>(
     w: &Proj<'_, E>,
     shape: LinearShape,

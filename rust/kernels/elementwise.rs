@@ -30,7 +30,7 @@ pub(super) fn round<E: Elem>(x: f32) -> f32 {
 
 /// RMSNorm of one row into `out`, as `asyncllm.models.layers.rms_norm`: in f32,
 /// the normalised row rounded to the dtype before the weight multiplies.
-#[inline]
+#[inline(always)]
 pub(super) fn rms_norm_row<E: Elem>(row: &[E], weight: &[E], eps: f32, out: &mut [E]) {
     let h = weight.len();
     // 16 partial sums, then a fixed tree and the tail: one order for every row,
@@ -57,12 +57,14 @@ pub(super) fn rms_norm_row<E: Elem>(row: &[E], weight: &[E], eps: f32, out: &mut
     }
 }
 
+#[inline(always)]
 pub(super) fn widen<E: Elem>(src: &[E], dst: &mut [f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = s.to_f32();
     }
 }
 
+#[inline(always)]
 pub(super) fn narrow<E: Elem>(src: &[f32], dst: &mut [E]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = E::from_f32(*s);
@@ -70,6 +72,7 @@ pub(super) fn narrow<E: Elem>(src: &[f32], dst: &mut [E]) {
 }
 
 /// `x += y`, rounded to the dtype.
+#[inline(always)]
 pub(super) fn add_in_place<E: Elem>(x: &mut [E], y: &[E]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a = E::from_f32(a.to_f32() + b.to_f32());

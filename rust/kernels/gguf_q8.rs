@@ -31,9 +31,11 @@ impl Q8Rows {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every path but `Portable` is only constructed where the CPU
             // has AVX2, FMA and F16C (`available`).
-            QuantIsa::Avx2 | QuantIsa::AvxVnni | QuantIsa::Avx512Vnni => unsafe {
-                quantize_avx2(k, x)
-            },
+            QuantIsa::Avx2 | QuantIsa::AvxVnni => unsafe { quantize_avx2(k, x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Avx512Vnni` is only constructed where the CPU has AVX2, FMA,
+            // F16C, AVX512F and AVX512VL (`available`).
+            QuantIsa::Avx512Vnni => unsafe { quantize_avx512(k, x) },
             _ => Q8Rows::new(k, x),
         }
     }
@@ -102,5 +104,12 @@ fn quantize_half(x: &[f32; 16], q: &mut [i8; 16]) -> (f32, i32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn quantize_avx2(k: usize, x: &[f32]) -> Q8Rows {
+    Q8Rows::new(k, x)
+}
+
+/// 16 floats a vector: a half block is one register.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+fn quantize_avx512(k: usize, x: &[f32]) -> Q8Rows {
     Q8Rows::new(k, x)
 }
