@@ -24,6 +24,7 @@
 //! each row's slot (`DecodeStep::lora_slots`): their products are added to the
 //! projection's output by the kernel `LoRALinear` runs on the torch path.
 
+use super::bf16::IsaCap;
 use super::decode_proj::{project, Proj, ProjLora};
 use super::elementwise::{add_in_place, narrow, rms_norm_row, round, widen};
 use super::linear::{Elem, LinearIsa, LinearShape};
@@ -177,8 +178,11 @@ pub fn decode_layers<E: Elem, C: Elem>(
     // while the others wait: compiled for the CPU's vectors rather than the
     // baseline's SSE2 (the same IEEE operations in the same order: the same
     // bits). At 9 rows it was a quarter of a SmolLM2 step's wall time.
+    // ASYNCLLM_KERNEL_ISA caps it as it caps the kernels (tests force each copy)
+    let cap = super::bf16::isa_cap()?;
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f")
+    if matches!(cap, IsaCap::Auto | IsaCap::Avx512 | IsaCap::Avx512Vnni)
+        && is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("fma")
@@ -188,13 +192,15 @@ pub fn decode_layers<E: Elem, C: Elem>(
         return unsafe { layers_avx512(dims, layers, step, hidden, num_threads) };
     }
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2")
+    if cap != IsaCap::Portable
+        && is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
     {
         // SAFETY: as above.
         return unsafe { layers_avx2(dims, layers, step, hidden, num_threads) };
     }
+    let _ = cap;
     layers_body(dims, layers, step, hidden, num_threads)
 }
 
