@@ -5,7 +5,7 @@ where requests ask the same question in other words and the answers repeat each
 other more than their prompts; and on open-ended chat, where nothing is there to
 copy.
 
-    python benches/bench_spec.py [--rounds 3] [--tokens 96] [--streams 1,16] [--k 4]
+    python benches/bench_spec.py [--rounds 3] [--tokens 96] [--streams 1,16] [--k 8]
                                  [--weights gguf|bf16] [--methods ngram,suffix]
                                  [--workloads editing,common answer,open chat]
 
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--streams", default="1,16")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument(
         "--weights",
         choices=("gguf", "bf16"),
