@@ -215,6 +215,7 @@ class ModelRunner:
             self.device,
             self._pass_prompt_lens,
             token_wise=self.config.batch_invariant,
+            prompt_runs=self.device.type == "cpu",
         )
 
     def _request_masks(self, step: StepInputs) -> StepMasks | None:
