@@ -141,7 +141,9 @@ def test_a_killed_worker_actor_is_the_engines_death(model_dir, ray_cluster):
     args = EngineArgs(
         model=str(model_dir),
         dtype="float32",
-        max_model_len=128,
+        # the model's whole length: the streams must outlast the second before
+        # the kill (at 128 they could end in ~1 s, before it)
+        max_model_len=1024,
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
     )
