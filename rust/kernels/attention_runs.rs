@@ -7,15 +7,10 @@
 //! where row by row each query read it again. A shorter row counts only its own
 //! keys (`attend_rows`), so every row gets the bits it gets alone.
 
-#[cfg(target_os = "linux")]
-use std::sync::{Mutex, PoisonError};
-
-use rayon::prelude::*;
-
 use super::attention_job::{BlockIndex, Job, Scratch};
 use super::bf16::KvElem;
 use super::paged_attention::{Isa, Queries, Work};
-use super::team::{self, Team};
+use super::team;
 use super::KernelError;
 
 /// The most rows of a piece: its queries' scores and outputs stay in a few
@@ -98,40 +93,14 @@ pub(super) fn attend_pieces<T: BlockIndex, E: KvElem>(
         }
     }
     let max_rows = pieces.iter().map(|&(_, rows)| rows).max().unwrap_or(1);
-    let new_scratch = || PieceScratch::new(job, max_rows);
-    let one = |(first, rows, h, chunk): (usize, usize, usize, &mut [f32]),
-               ps: &mut PieceScratch| {
-        ps.attend(job, isa, (first, rows, h), chunk)
-    };
-    let num_items = chunks.len();
-    if num_threads == 1 || num_items <= 1 {
-        let mut ps = new_scratch();
-        for item in chunks {
-            one(item, &mut ps);
-        }
-    } else {
-        match Team::get(num_threads)? {
-            #[cfg(target_os = "linux")]
-            Team::Omp(parallel) => {
-                // handed out one at a time as threads ask (as `paged_attention`)
-                let queue = Mutex::new(chunks.into_iter());
-                team::run_on_omp(parallel, num_threads, &|| {
-                    let mut ps = new_scratch();
-                    loop {
-                        // Only `next` runs under the lock and it cannot panic.
-                        let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-                        let Some(item) = next else { break };
-                        one(item, &mut ps);
-                    }
-                })?;
-            }
-            Team::Rayon => team::pool(num_threads)?.install(|| {
-                chunks
-                    .into_par_iter()
-                    .for_each_init(new_scratch, |ps, item| one(item, ps))
-            }),
-        }
-    }
+    team::run_queue(
+        chunks.into_iter(),
+        num_threads,
+        || PieceScratch::new(job, max_rows),
+        &|(first, rows, h, chunk): (usize, usize, usize, &mut [f32]), ps: &mut PieceScratch| {
+            ps.attend(job, isa, (first, rows, h), chunk)
+        },
+    )?;
     // back to [row][query head]
     let mut at = 0;
     for &(first, rows) in pieces {

@@ -9,12 +9,8 @@
 //! fused decode step (`decode_layers`) runs the same row functions, so both paths
 //! give the same bits. A row's result never depends on the rows beside it.
 
-use std::sync::{Mutex, PoisonError};
-
-use rayon::prelude::*;
-
 use super::linear::Elem;
-use super::team::{self, Team};
+use super::team;
 use super::KernelError;
 
 /// Rows per work item: enough that a handful of items per thread balance the
@@ -148,26 +144,5 @@ where
     I::Item: Send,
     F: Fn(I::Item) + Sync,
 {
-    let (lower, _) = items.size_hint();
-    if num_threads <= 1 || lower < 2 {
-        items.for_each(body);
-        return Ok(());
-    }
-    match Team::get(num_threads)? {
-        #[cfg(target_os = "linux")]
-        Team::Omp(parallel) => {
-            let queue = Mutex::new(items);
-            team::run_on_omp(parallel, num_threads, &|| loop {
-                // Only `next` runs under the lock and it cannot panic.
-                let item = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-                let Some(item) = item else { break };
-                body(item);
-            })
-        }
-        Team::Rayon => {
-            let all: Vec<I::Item> = items.collect();
-            team::pool(num_threads)?.install(|| all.into_par_iter().for_each(body));
-            Ok(())
-        }
-    }
+    team::run_queue(items, num_threads, || (), &|item, _: &mut ()| body(item))
 }

@@ -21,11 +21,6 @@
 //! Decode attention is memory-bound (a handful of flops per byte of K/V), so the
 //! code is about reading memory well; the arithmetic only has to vectorise.
 
-#[cfg(target_os = "linux")]
-use std::sync::{Mutex, PoisonError};
-
-use rayon::prelude::*;
-
 use super::attention_block::{self as block, Rows};
 use super::attention_job::{shape_err, Job, Scratch};
 pub use super::attention_job::{BlockIndex, DecodeShape, KvCache};
@@ -33,7 +28,7 @@ use super::attention_runs as runs;
 use super::bf16::{self, IsaCap, KvElem};
 use super::exp;
 use super::linear_simd::{self as simd, Simd};
-use super::team::{self, Team};
+use super::team;
 use super::KernelError;
 
 /// Writes `out[b, h*D..(h+1)*D] = softmax(scale * q[b,h] · K_b^T) V_b` for every
@@ -137,41 +132,12 @@ pub(super) fn run<T: BlockIndex, L: BlockIndex, E: KvElem>(
     }
     let heads = job.heads_per_item;
     let chunk = heads * job.group * shape.head_dim;
-    let num_items = shape.num_seqs * shape.num_kv_heads / heads;
-    if num_threads == 1 || num_items <= 1 {
-        let mut scratch = Scratch::new(heads * job.group, shape.block_size);
-        for (item, out) in out.chunks_exact_mut(chunk).enumerate() {
-            isa.attend(&job, Work::Item(item), out, &mut scratch);
-        }
-        return Ok(());
-    }
-    let new_scratch = || Scratch::new(heads * job.group, shape.block_size);
-    match Team::get(num_threads)? {
-        #[cfg(target_os = "linux")]
-        Team::Omp(parallel) => {
-            // Items are handed out one at a time as threads ask, like rayon's
-            // work stealing: a thread the OS descheduled holds up no one.
-            let items = Mutex::new(out.chunks_exact_mut(chunk).enumerate());
-            team::run_on_omp(parallel, num_threads, &|| {
-                let mut scratch = new_scratch();
-                loop {
-                    // Only `next` runs under the lock and it cannot panic; were the
-                    // lock poisoned anyway, the iterator in it would still be valid.
-                    let next = items.lock().unwrap_or_else(PoisonError::into_inner).next();
-                    let Some((item, out)) = next else { break };
-                    isa.attend(&job, Work::Item(item), out, &mut scratch);
-                }
-            })?;
-        }
-        Team::Rayon => team::pool(num_threads)?.install(|| {
-            out.par_chunks_exact_mut(chunk)
-                .enumerate()
-                .for_each_init(new_scratch, |scratch, (item, out)| {
-                    isa.attend(&job, Work::Item(item), out, scratch)
-                })
-        }),
-    }
-    Ok(())
+    team::run_queue(
+        out.chunks_exact_mut(chunk).enumerate(),
+        num_threads,
+        || Scratch::new(heads * job.group, shape.block_size),
+        &|(item, out), scratch| isa.attend(&job, Work::Item(item), out, scratch),
+    )
 }
 
 /// The instruction sets the kernel is compiled for.

@@ -301,6 +301,55 @@ pub(crate) fn run_items<F: Fn(usize, &mut Vec<f32>) + Sync>(
     Ok(())
 }
 
+/// Runs `body(item, state)` for every item of `items` on `num_threads` threads
+/// of the team, each thread with its own `state` from `init`. Items are handed
+/// out one at a time as threads ask, like rayon's work stealing: a thread the OS
+/// descheduled holds up no one. Below two items (or one thread) the calling
+/// thread does them all: a small call pays for no wake-up.
+pub(crate) fn run_queue<I, S, N, F>(
+    items: I,
+    num_threads: usize,
+    init: N,
+    body: &F,
+) -> Result<(), KernelError>
+where
+    I: Iterator + Send,
+    I::Item: Send,
+    N: Fn() -> S + Sync + Send,
+    F: Fn(I::Item, &mut S) + Sync,
+{
+    let (lower, _) = items.size_hint();
+    if num_threads <= 1 || lower < 2 {
+        let mut state = init();
+        items.for_each(|item| body(item, &mut state));
+        return Ok(());
+    }
+    match Team::get(num_threads)? {
+        #[cfg(target_os = "linux")]
+        Team::Omp(parallel) => {
+            let queue = std::sync::Mutex::new(items);
+            run_on_omp(parallel, num_threads, &|| {
+                let mut state = init();
+                loop {
+                    // Only `next` runs under the lock and it cannot panic; were the
+                    // lock poisoned anyway, the iterator in it would still be valid.
+                    let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    let Some(item) = next else { break };
+                    body(item, &mut state);
+                }
+            })
+        }
+        Team::Rayon => {
+            let all: Vec<I::Item> = items.collect();
+            pool(num_threads)?.install(|| {
+                all.into_par_iter()
+                    .for_each_init(&init, |state, item| body(item, state))
+            });
+            Ok(())
+        }
+    }
+}
+
 /// The items cut into one contiguous share per thread, each with its own cursor
 /// (atomic: taking an item is one instruction, never a sleep in the kernel).
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))] // the OpenMP team's only
