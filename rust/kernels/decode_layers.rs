@@ -24,12 +24,11 @@
 //! each row's slot (`DecodeStep::lora_slots`): their products are added to the
 //! projection's output by the kernel `LoRALinear` runs on the torch path.
 
-use super::bf16::IsaCap;
 use super::decode_proj::{project, Proj, ProjLora};
-use super::elementwise::{add_in_place, narrow, rms_norm_row, round, widen};
+use super::decode_rows::{AddNormRow, NarrowRow, NormRow, RopeRow, SiluRow, Simd};
 use super::linear::{Elem, LinearIsa, LinearShape};
 use super::paged_attention::{paged_decode_attention, DecodeShape, KvCache};
-use super::silu_mul::silu_mul_rows;
+use super::team_region;
 use super::KernelError;
 
 /// The model's sizes and constants, the same for every layer.
@@ -174,63 +173,55 @@ pub fn decode_layers<E: Elem, C: Elem>(
     num_threads: usize,
 ) -> Result<(), KernelError> {
     // The work between the kernels (norms, rotary, conversions, SiLU, residual
-    // adds, the integer kernel's activation rounding) runs on the calling thread
-    // while the others wait: compiled for the CPU's vectors rather than the
-    // baseline's SSE2 (the same IEEE operations in the same order: the same
-    // bits). At 9 rows it was a quarter of a SmolLM2 step's wall time.
-    // ASYNCLLM_KERNEL_ISA caps it as it caps the kernels (tests force each copy)
-    let cap = super::bf16::isa_cap()?;
-    #[cfg(target_arch = "x86_64")]
-    if matches!(cap, IsaCap::Auto | IsaCap::Avx512 | IsaCap::Avx512Vnni)
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU has every feature the function is compiled for.
-        return unsafe { layers_avx512(dims, layers, step, hidden, num_threads) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if cap != IsaCap::Portable
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
+    // adds) is shared out by rows (`decode_rows`) and its serial rest compiled
+    // for the CPU's vectors rather than the baseline's SSE2 (the same IEEE
+    // operations in the same order: the same bits). ASYNCLLM_KERNEL_ISA caps it
+    // as it caps the kernels (tests force each copy). One team serves the whole
+    // step: its 150 kernel calls fork in the region (`team_region`) rather than
+    // starting a team each.
+    let simd = Simd::detect()?;
+    team_region::region(num_threads, || match simd {
+        // SAFETY: `detect` returns a variant only where the CPU has every
+        // feature its copy is compiled for.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => unsafe { layers_avx512(simd, dims, layers, step, hidden, num_threads) },
         // SAFETY: as above.
-        return unsafe { layers_avx2(dims, layers, step, hidden, num_threads) };
-    }
-    let _ = cap;
-    layers_body(dims, layers, step, hidden, num_threads)
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { layers_avx2(simd, dims, layers, step, hidden, num_threads) },
+        Simd::Portable => layers_body(simd, dims, layers, step, hidden, num_threads),
+    })?
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 fn layers_avx512<E: Elem, C: Elem>(
+    simd: Simd,
     dims: &DecodeDims,
     layers: &mut [(LayerWeights<'_, E>, CacheMut<C>)],
     step: &DecodeStep<'_, E>,
     hidden: &mut [E],
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    layers_body(dims, layers, step, hidden, num_threads)
+    layers_body(simd, dims, layers, step, hidden, num_threads)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn layers_avx2<E: Elem, C: Elem>(
+    simd: Simd,
     dims: &DecodeDims,
     layers: &mut [(LayerWeights<'_, E>, CacheMut<C>)],
     step: &DecodeStep<'_, E>,
     hidden: &mut [E],
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    layers_body(dims, layers, step, hidden, num_threads)
+    layers_body(simd, dims, layers, step, hidden, num_threads)
 }
 
 /// `decode_layers`' work, inlined into each ISA's copy.
 #[inline(always)]
 fn layers_body<E: Elem, C: Elem>(
+    simd: Simd,
     dims: &DecodeDims,
     layers: &mut [(LayerWeights<'_, E>, CacheMut<C>)],
     step: &DecodeStep<'_, E>,
@@ -243,37 +234,41 @@ fn layers_body<E: Elem, C: Elem>(
     let mut s = Scratch::new(&d, m);
     let isa = LinearIsa::detect()?;
     let blocks_per_seq = step.block_tables.len() / m;
-    for (w, cache) in layers.iter_mut() {
-        rms_norm_rows(hidden, w.input_norm, d.eps, &mut s.normed);
+    let threads = num_threads;
+    let norms: Vec<&[E]> = layers.iter().map(|(w, _)| w.input_norm).collect();
+    if let Some(&norm) = norms.first() {
+        let items = hidden.chunks(h).zip(s.normed.chunks_mut(h));
+        simd.rows(items, threads, |(x, out)| NormRow {
+            weight: norm,
+            eps: d.eps,
+            x,
+            out,
+        })?;
+    }
+    for (i, (w, cache)) in layers.iter_mut().enumerate() {
         let shape = LinearShape {
             m,
             k: h,
             n: d.qkv_size(),
         };
-        project(
-            &w.qkv,
-            shape,
-            &s.normed,
-            w.qkv_bias,
-            num_threads,
-            &mut s.qkv,
-        )?;
-        let ad = (step.lora_slots, isa, num_threads);
+        project(&w.qkv, shape, &s.normed, w.qkv_bias, threads, &mut s.qkv)?;
+        let ad = (step.lora_slots, isa, threads);
         adapt(&w.adapters.qkv, ad, shape, &s.normed, &mut s.qkv)?;
-        for r in 0..m {
-            let row = &mut s.qkv[r * d.qkv_size()..(r + 1) * d.qkv_size()];
-            let half = d.head_dim / 2;
-            let (cos, sin) = step.cos_sin[2 * r * half..][..2 * half].split_at(half);
-            rotate(
-                &mut row[..qs + kvs],
-                d.head_dim,
-                cos,
-                sin,
-                &mut s.q32[r * qs..][..qs],
-            );
-            widen(&row[qs..qs + kvs], &mut s.k32);
-            widen(&row[qs + kvs..], &mut s.v32);
-            cache.write(step.slots[r] as usize, &s.k32, &s.v32);
+        let items = s
+            .qkv
+            .chunks_mut(d.qkv_size())
+            .zip(step.cos_sin.chunks(d.head_dim))
+            .zip(s.q32.chunks_mut(qs).zip(s.kv32.chunks_mut(2 * kvs)));
+        simd.rows(items, threads, |((qkv, cos_sin), (q32, kv32))| RopeRow {
+            head_dim: d.head_dim,
+            qkv,
+            cos_sin,
+            q32,
+            kv32,
+        })?;
+        for (r, kv32) in s.kv32.chunks_exact(2 * kvs).enumerate() {
+            let (k32, v32) = kv32.split_at(kvs);
+            cache.write(step.slots[r] as usize, k32, v32);
         }
         let shape = DecodeShape {
             num_seqs: m,
@@ -292,34 +287,53 @@ fn layers_body<E: Elem, C: Elem>(
             step.block_tables,
             step.seq_lens,
             d.scale,
-            num_threads,
+            threads,
             &mut s.att32,
         )?;
-        narrow(&s.att32, &mut s.att);
+        let items = s.att32.chunks(qs).zip(s.att.chunks_mut(qs));
+        simd.rows(items, threads, |(src, dst)| NarrowRow { src, dst })?;
         let shape = LinearShape { m, k: qs, n: h };
-        project(&w.o, shape, &s.att, None, num_threads, &mut s.out)?;
+        project(&w.o, shape, &s.att, None, threads, &mut s.out)?;
         adapt(&w.adapters.o, ad, shape, &s.att, &mut s.out)?;
-        add_in_place(hidden, &s.out);
-        rms_norm_rows(hidden, w.post_norm, d.eps, &mut s.normed);
+        let items = hidden
+            .chunks_mut(h)
+            .zip(s.out.chunks(h))
+            .zip(s.normed.chunks_mut(h));
+        let norm = Some((w.post_norm, d.eps));
+        simd.rows(items, threads, |((x, y), out)| AddNormRow {
+            norm,
+            x,
+            y,
+            out,
+        })?;
         let shape = LinearShape {
             m,
             k: h,
             n: 2 * inter,
         };
-        project(
-            &w.gate_up,
-            shape,
-            &s.normed,
-            None,
-            num_threads,
-            &mut s.gate_up,
-        )?;
+        project(&w.gate_up, shape, &s.normed, None, threads, &mut s.gate_up)?;
         adapt(&w.adapters.gate_up, ad, shape, &s.normed, &mut s.gate_up)?;
-        silu_mul_rows(isa, &s.gate_up, inter, &mut s.act);
+        let items = s.gate_up.chunks(2 * inter).zip(s.act.chunks_mut(inter));
+        simd.rows(items, threads, |(gate_up, out)| SiluRow {
+            isa,
+            gate_up,
+            out,
+        })?;
         let shape = LinearShape { m, k: inter, n: h };
-        project(&w.down, shape, &s.act, None, num_threads, &mut s.out)?;
+        project(&w.down, shape, &s.act, None, threads, &mut s.out)?;
         adapt(&w.adapters.down, ad, shape, &s.act, &mut s.out)?;
-        add_in_place(hidden, &s.out);
+        // the residual add, and the next layer's input norm where there is one
+        let norm = norms.get(i + 1).map(|&next| (next, d.eps));
+        let items = hidden
+            .chunks_mut(h)
+            .zip(s.out.chunks(h))
+            .zip(s.normed.chunks_mut(h));
+        simd.rows(items, threads, |((x, y), out)| AddNormRow {
+            norm,
+            x,
+            y,
+            out,
+        })?;
     }
     Ok(())
 }
@@ -344,8 +358,8 @@ struct Scratch<E> {
     normed: Vec<E>,
     qkv: Vec<E>,
     q32: Vec<f32>,
-    k32: Vec<f32>,
-    v32: Vec<f32>,
+    /// each row's k then v, widened for the cache
+    kv32: Vec<f32>,
     att32: Vec<f32>,
     att: Vec<E>,
     out: Vec<E>,
@@ -360,8 +374,7 @@ impl<E: Elem> Scratch<E> {
             normed: vec![zero; m * d.hidden],
             qkv: vec![zero; m * d.qkv_size()],
             q32: vec![0.0; m * d.q_size()],
-            k32: vec![0.0; d.kv_size()],
-            v32: vec![0.0; d.kv_size()],
+            kv32: vec![0.0; m * 2 * d.kv_size()],
             att32: vec![0.0; m * d.q_size()],
             att: vec![zero; m * d.q_size()],
             out: vec![zero; m * d.hidden],
@@ -369,34 +382,6 @@ impl<E: Elem> Scratch<E> {
             act: vec![zero; m * d.intermediate],
         }
     }
-}
-
-#[inline(always)]
-fn rms_norm_rows<E: Elem>(x: &[E], weight: &[E], eps: f32, out: &mut [E]) {
-    let h = weight.len();
-    for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        rms_norm_row(row, weight, eps, dst);
-    }
-}
-
-/// Rotates q and k heads (`row`: `[heads, head_dim]`, q heads then k heads) in
-/// place by rotate-half (`apply_rotary`), each product and sum rounded as the
-/// torch ops round; the rotated q heads also go to `q32` in f32.
-#[inline(always)]
-fn rotate<E: Elem>(row: &mut [E], head_dim: usize, cos: &[E], sin: &[E], q32: &mut [f32]) {
-    let half = head_dim / 2;
-    for head in row.chunks_exact_mut(head_dim) {
-        let (x1, x2) = head.split_at_mut(half);
-        for i in 0..half {
-            let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
-            let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
-            let lo = round::<E>(a * c) - round::<E>(b * s);
-            let hi = round::<E>(b * c) + round::<E>(a * s);
-            x1[i] = E::from_f32(lo);
-            x2[i] = E::from_f32(hi);
-        }
-    }
-    widen(&row[..q32.len()], q32);
 }
 
 /// The step's row count, after checking every operand against `dims`: weight

@@ -179,7 +179,7 @@ pub(super) fn run(
             out.len()
         )));
     }
-    let xq = Q8Rows::quantize(isa, k, x);
+    let xq = Q8Rows::quantize(isa, k, x, num_threads)?;
     let out_ptr = OutPtr(out.as_mut_ptr());
     let item = |idx: usize, _: &mut Vec<f32>| {
         let rows = idx * ITEM_ROWS..((idx + 1) * ITEM_ROWS).min(n);

@@ -2,6 +2,7 @@
 //! quantized to int8 per 16 elements, as llama.cpp quantizes its Q8 activations.
 
 use super::gguf_int::QuantIsa;
+use super::KernelError;
 
 /// `x`'s rows quantized to int8 as llama.cpp's Q8 activations, but with a scale
 /// per 16 elements (half a block) instead of 32: it costs one multiply a block and
@@ -22,27 +23,28 @@ pub(super) struct Q8Rows {
     pub(super) rows: usize,
 }
 
-impl Q8Rows {
-    /// `Q8Rows::new` compiled for `isa`'s instructions: the same IEEE operations
-    /// (the same bits), but rounding in vectors rather than a `roundf` call per
-    /// element (at 16 rows a tenth of a SmolLM2 step went there).
-    pub(super) fn quantize(isa: QuantIsa, k: usize, x: &[f32]) -> Q8Rows {
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: every path but `Portable` is only constructed where the CPU
-            // has AVX2, FMA and F16C (`available`).
-            QuantIsa::Avx2 | QuantIsa::AvxVnni => unsafe { quantize_avx2(k, x) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Avx512Vnni` is only constructed where the CPU has AVX2, FMA,
-            // F16C, AVX512F and AVX512VL (`available`).
-            QuantIsa::Avx512Vnni => unsafe { quantize_avx512(k, x) },
-            _ => Q8Rows::new(k, x),
-        }
-    }
+/// One run of rows' share of each of `Q8Rows`' arrays.
+type RowsMut<'a> = (
+    &'a [f32],
+    (
+        &'a mut [i8],
+        (&'a mut [[f32; 2]], (&'a mut [[i32; 2]], &'a mut [[f32; 3]])),
+    ),
+);
 
-    /// `x` holds rows of `k`, a multiple of 32.
-    #[inline(always)]
-    pub(super) fn new(k: usize, x: &[f32]) -> Q8Rows {
+impl Q8Rows {
+    /// `x` (rows of `k`, a multiple of 32) quantized, compiled for `isa`'s
+    /// instructions (the same IEEE operations, the same bits, but rounding in
+    /// vectors rather than a `roundf` call per element: at 16 rows a tenth of a
+    /// SmolLM2 step went there). Rows are shared out over `num_threads` threads of
+    /// the kernel team where there are several: at a 9-row verification it was a
+    /// twentieth of the step, run on the calling thread while the others waited.
+    pub(super) fn quantize(
+        isa: QuantIsa,
+        k: usize,
+        x: &[f32],
+        num_threads: usize,
+    ) -> Result<Q8Rows, KernelError> {
         let n = x.len() / 32;
         let mut rows = Q8Rows {
             blocks: k / 32,
@@ -52,17 +54,57 @@ impl Q8Rows {
             sx: vec![[0.0; 3]; n],
             rows: x.len() / k.max(1),
         };
-        let blocks = x.chunks_exact(32).zip(rows.qs.chunks_exact_mut(32));
-        let sums = rows.dx.iter_mut().zip(&mut rows.xs).zip(&mut rows.sx);
-        for ((xb, qb), ((dx, xs), sx)) in blocks.zip(sums) {
-            for (h, (xh, qh)) in xb.chunks_exact(16).zip(qb.chunks_exact_mut(16)).enumerate() {
-                let (xh, qh) = (xh.try_into().unwrap(), qh.try_into().unwrap());
-                (dx[h], xs[h]) = quantize_half(xh, qh);
-            }
-            let s = [dx[0] * xs[0] as f32, dx[1] * xs[1] as f32];
-            *sx = [s[0], s[1], s[0] + s[1]];
+        let per = (k / 32).max(1) * ROWS_PER_ITEM;
+        let items = x.chunks(32 * per).zip(
+            rows.qs.chunks_mut(32 * per).zip(
+                rows.dx
+                    .chunks_mut(per)
+                    .zip(rows.xs.chunks_mut(per).zip(rows.sx.chunks_mut(per))),
+            ),
+        );
+        let threads = if rows.rows > 1 { num_threads } else { 1 };
+        super::elementwise::on_rows(items, threads, &|item| fill_on(isa, item))?;
+        Ok(rows)
+    }
+}
+
+/// Rows quantized per work item.
+const ROWS_PER_ITEM: usize = 1;
+
+/// `fill` on `isa`'s copy. The arrays go as separate arguments: inside a tuple
+/// they lose the no-alias promise of `&mut`, and the halves' rounding then stays
+/// scalar (3x the time of the vector form, measured).
+fn fill_on(isa: QuantIsa, (x, (qs, (dx, (xs, sx)))): RowsMut<'_>) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: every path but `Portable` is only constructed where the CPU
+        // has AVX2, FMA and F16C (`available`).
+        QuantIsa::Avx2 | QuantIsa::AvxVnni => unsafe { fill_avx2(x, qs, dx, xs, sx) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx512Vnni` is only constructed where the CPU has AVX2, FMA,
+        // F16C, AVX512F and AVX512VL (`available`).
+        QuantIsa::Avx512Vnni => unsafe { fill_avx512(x, qs, dx, xs, sx) },
+        _ => fill(x, qs, dx, xs, sx),
+    }
+}
+
+/// Quantizes one run of blocks into their shares of the arrays.
+#[inline(always)]
+fn fill(x: &[f32], qs: &mut [i8], dx: &mut [[f32; 2]], xs: &mut [[i32; 2]], sx: &mut [[f32; 3]]) {
+    for (b, xb) in x.chunks_exact(32).enumerate() {
+        let mut d = [0.0f32; 2];
+        let mut sum = [0i32; 2];
+        for h in 0..2 {
+            let xh: &[f32; 16] = xb[16 * h..16 * h + 16].try_into().unwrap();
+            let qh: &mut [i8; 16] = (&mut qs[32 * b + 16 * h..32 * b + 16 * h + 16])
+                .try_into()
+                .unwrap();
+            (d[h], sum[h]) = quantize_half(xh, qh);
         }
-        rows
+        dx[b] = d;
+        xs[b] = sum;
+        let s = [d[0] * sum[0] as f32, d[1] * sum[1] as f32];
+        sx[b] = [s[0], s[1], s[0] + s[1]];
     }
 }
 
@@ -103,13 +145,25 @@ fn quantize_half(x: &[f32; 16], q: &mut [i8; 16]) -> (f32, i32) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn quantize_avx2(k: usize, x: &[f32]) -> Q8Rows {
-    Q8Rows::new(k, x)
+fn fill_avx2(
+    x: &[f32],
+    qs: &mut [i8],
+    dx: &mut [[f32; 2]],
+    xs: &mut [[i32; 2]],
+    sx: &mut [[f32; 3]],
+) {
+    fill(x, qs, dx, xs, sx)
 }
 
 /// 16 floats a vector: a half block is one register.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-fn quantize_avx512(k: usize, x: &[f32]) -> Q8Rows {
-    Q8Rows::new(k, x)
+fn fill_avx512(
+    x: &[f32],
+    qs: &mut [i8],
+    dx: &mut [[f32; 2]],
+    xs: &mut [[i32; 2]],
+    sx: &mut [[f32; 3]],
+) {
+    fill(x, qs, dx, xs, sx)
 }

@@ -12,6 +12,7 @@ mod attention_runs;
 mod bf16;
 mod decode_layers;
 mod decode_proj;
+mod decode_rows;
 mod elementwise;
 mod exp;
 mod gguf;
@@ -35,6 +36,7 @@ mod rotary;
 mod silu_mul;
 // `pub(crate)`: the sampler (`crate::sampler`) runs on the same team.
 pub(crate) mod team;
+mod team_region;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

@@ -12,12 +12,17 @@
 //! else rayon — as in `cargo bench`, which has no torch.
 //! `ASYNCLLM_KERNEL_POOL=rayon` forces rayon (for benchmarks that compare the two);
 //! `omp` or unset means the default.
+//!
+//! Inside a region (`team_region`: one team held for a call that makes many small
+//! parallel calls, the fused decode step) `run_items` and `run_queue` fork on the
+//! region's waiting threads instead of starting a team.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use rayon::prelude::*;
 
+use super::team_region;
 use super::KernelError;
 
 /// Where a multi-threaded call runs.
@@ -279,19 +284,21 @@ pub(crate) fn run_items<F: Fn(usize, &mut Vec<f32>) + Sync>(
         (0..num_items).for_each(|i| item(i, &mut buf));
         return Ok(());
     }
+    let shares = Shares::new(num_items, num_threads);
+    let arrived = AtomicUsize::new(0);
+    let each = || {
+        let mut buf = Vec::new();
+        let me = arrived.fetch_add(1, Ordering::Relaxed) % num_threads;
+        while let Some(idx) = shares.next(me) {
+            item(idx, &mut buf);
+        }
+    };
+    if team_region::fork_in_region(num_threads, &each) {
+        return Ok(());
+    }
     match Team::get(num_threads)? {
         #[cfg(target_os = "linux")]
-        Team::Omp(parallel) => {
-            let shares = Shares::new(num_items, num_threads);
-            let arrived = AtomicUsize::new(0);
-            run_on_omp(parallel, num_threads, &|| {
-                let mut buf = Vec::new();
-                let me = arrived.fetch_add(1, Ordering::Relaxed) % num_threads;
-                while let Some(idx) = shares.next(me) {
-                    item(idx, &mut buf);
-                }
-            })?;
-        }
+        Team::Omp(parallel) => run_on_omp(parallel, num_threads, &each)?,
         Team::Rayon => pool(num_threads)?.install(|| {
             (0..num_items)
                 .into_par_iter()
@@ -324,22 +331,25 @@ where
         items.for_each(|item| body(item, &mut state));
         return Ok(());
     }
+    let queue = std::sync::Mutex::new(items);
+    let each = || {
+        let mut state = init();
+        loop {
+            // Only `next` runs under the lock and it cannot panic; were the lock
+            // poisoned anyway, the iterator in it would still be valid.
+            let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+            let Some(item) = next else { break };
+            body(item, &mut state);
+        }
+    };
+    if team_region::fork_in_region(num_threads, &each) {
+        return Ok(());
+    }
     match Team::get(num_threads)? {
         #[cfg(target_os = "linux")]
-        Team::Omp(parallel) => {
-            let queue = std::sync::Mutex::new(items);
-            run_on_omp(parallel, num_threads, &|| {
-                let mut state = init();
-                loop {
-                    // Only `next` runs under the lock and it cannot panic; were the
-                    // lock poisoned anyway, the iterator in it would still be valid.
-                    let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
-                    let Some(item) = next else { break };
-                    body(item, &mut state);
-                }
-            })
-        }
+        Team::Omp(parallel) => run_on_omp(parallel, num_threads, &each),
         Team::Rayon => {
+            let items = queue.into_inner().unwrap_or_else(PoisonError::into_inner);
             let all: Vec<I::Item> = items.collect();
             pool(num_threads)?.install(|| {
                 all.into_par_iter()
