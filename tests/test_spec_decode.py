@@ -429,6 +429,40 @@ def test_verification_runs_fused_and_equals_plain_decoding(monkeypatch: pytest.M
     assert max(rows) > 1, "no verification step ran fused"
 
 
+def test_gguf_verifications_of_several_requests_run_fused(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verification of several requests brings more tokens than a decode step of
+    GGUF_MAX_ROWS rows, but chooses its kernels by its requests (the integer
+    kernel): it runs fused, and greedy outputs stay those of decoding without
+    speculation (up to 16 requests every step runs the integer kernel, whose
+    rows do not depend on each other)."""
+    from asyncllm.models.fused_decode import GGUF_MAX_ROWS, FusedDecode
+
+    tokens: list[int] = []
+    original = FusedDecode.__call__
+
+    def counting(self: FusedDecode, hidden: Any, positions: Any, meta: Any) -> Any:
+        tokens.append(meta.num_tokens)
+        return original(self, hidden, positions, meta)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    chats = [[{"role": "user", "content": c}] for c in SMOLLM2_CHATS[:5]]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, **FIXED}
+    outs = []
+    for method in (None, spec):
+        with LLM(
+            model=str(smollm2_gguf),
+            max_model_len=512,
+            speculative_config=method,
+            multiprocess=False,
+        ) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+    assert max(tokens) > GGUF_MAX_ROWS, "no verification of several requests ran fused"
+
+
 def test_suffix_drafts_an_answer_other_requests_gave() -> None:
     """SuffixDecoding's shared trie: a request whose answer repeats earlier
     requests' drafts it from their outputs from its first tokens on, which its

@@ -14,8 +14,9 @@ SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
 layout (a weight reordered for oneDNN cannot be read here) or in GGUF blocks
 (`models.gguf`: then only for the row counts where every GGUF layer chose the
 integer kernel, which the fused call runs), and steps of at most `MAX_ROWS` tokens
-(`GGUF_MAX_ROWS` with GGUF layers, whose integer kernel serves up to 16 rows)
-that each attend as a decode: decodes, and speculative decoding's verification
+(with GGUF layers `GGUF_MAX_ROWS` requests, whose integer kernel serves up to 16
+rows, and up to `GGUF_MAX_TOKENS` tokens when they are verifications) that each
+attend as a decode: decodes, and speculative decoding's verification
 tokens. Anything else takes the torch path.
 
 The numbers are the torch path's: the kernel rounds to the model's dtype wherever
@@ -61,6 +62,12 @@ MAX_ROWS = 8
 # With GGUF layers the kernel the torch path would run up to 16 rows is the same
 # integer kernel the call runs (gguf_select), so the call takes those steps too.
 GGUF_MAX_ROWS = FUSED_MAX_ROWS
+# Tokens of a GGUF step: a speculative verification of up to GGUF_MAX_ROWS requests
+# brings each request's k + 1 tokens and chooses its kernels by its decode step's
+# rows (`kernel_rows`), so it runs the integer kernel whatever its token count. On
+# the torch path its ~150 kernel calls a step go through Python one by one: at 16
+# streams a tenth of the step.
+GGUF_MAX_TOKENS = 256
 
 
 class FusedDecode:
@@ -90,6 +97,7 @@ class FusedDecode:
         # (None: every bucket, float weights only).
         self.buckets = buckets
         self.max_rows = MAX_ROWS if buckets is None else GGUF_MAX_ROWS
+        self.max_tokens = MAX_ROWS if buckets is None else GGUF_MAX_TOKENS
 
     @classmethod
     def build(
@@ -126,10 +134,12 @@ class FusedDecode:
         )
 
     def applies(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        if meta.num_tokens > self.max_rows or kv_caches is not self.kv_caches:
+        if meta.num_tokens > self.max_tokens or kv_caches is not self.kv_caches:
             return False
         # GGUF layers: the bucket they would choose by (a verification: its decode step's)
         rows = kernel_rows.rows or meta.num_tokens
+        if rows > self.max_rows:
+            return False
         if self.buckets is not None and bucket_index(rows) not in self.buckets:
             return False
         return _each_a_decode(meta)
