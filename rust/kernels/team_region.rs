@@ -103,7 +103,6 @@ where
             each();
         }),
     }
-    let _ = caller;
     let outcome = lock(&result).take();
     match outcome {
         Some(Ok(value)) => Ok(value),
