@@ -113,11 +113,14 @@ def assert_same_logits(got: _Spy, want: _Spy, tol: float) -> None:
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-def assert_row_alone_equals_batch(runner: Callable[[], ModelRunner], steps: int) -> None:
-    """The first prompt's logits have the same bits alone and beside the others."""
+def assert_row_alone_equals_batch(
+    runner: Callable[[], ModelRunner], steps: int, fused: int | None = None
+) -> None:
+    """The first prompt's logits have the same bits alone and beside the others;
+    `fused` steps (default: the decodes) ran the fused call each time."""
     alone = _generate(runner(), PROMPTS[:1], steps)
     batch = _generate(runner(), PROMPTS, steps)
-    assert alone.fused_calls == batch.fused_calls == steps
+    assert alone.fused_calls == batch.fused_calls == (steps if fused is None else fused)
     for a, b in zip(alone.logits, batch.logits, strict=True):
         assert torch.equal(a[0], b[0])
 

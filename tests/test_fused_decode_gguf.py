@@ -1,8 +1,9 @@
 """The fused decode step over GGUF blocks (asyncllm.models.fused_decode with
 models/gguf layers, rust/kernels/decode_proj.rs) on the real SmolLM2 Q4_1: the
-torch path's logits in float32 and bfloat16, a row's bits independent of its
+torch path's logits in float32 and bfloat16 (prompts included: on the CPU they
+attend token-wise, so the call takes them too), a row's bits independent of its
 batch, and the torch path wherever the layers chose a kernel the call does not
-run."""
+run or a step brings more than GGUF_MAX_TOKENS tokens."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ from test_fused_decode import (
 
 from asyncllm import EngineArgs
 from asyncllm.gguf_files import prepare_gguf
-from asyncllm.models.fused_decode import GGUF_MAX_ROWS, unsupported
-from asyncllm.models.gguf.layers import GGUFLinear
+from asyncllm.models.fused_decode import (
+    GGUF_MAX_ROWS,
+    GGUF_MAX_TOKENS,
+    _gguf_buckets,
+    unsupported,
+)
+from asyncllm.models.gguf.layers import BUCKETS, GGUFLinear
 from asyncllm.models.hf_config import load_hf_config
 from asyncllm.worker.model_runner import ModelRunner
 
@@ -48,12 +54,13 @@ def test_fused_gguf_decode_gives_the_torch_paths_logits(smollm2_gguf: Path, dtyp
     assert fused.model.fused_decode is not None and plain.model.fused_decode is None
     assert any(isinstance(m, GGUFLinear) for m in fused.model.layers.modules())
     got, want = _generate(fused, PROMPTS, DECODES), _generate(plain, PROMPTS, DECODES)
-    assert got.fused_calls == DECODES
+    assert got.fused_calls == DECODES + 1  # the prompts' step too
     assert_same_logits(got, want, 1e-4 if dtype == "float32" else 0.05)
 
 
 def test_a_gguf_row_gives_the_same_bits_alone_and_in_a_batch(smollm2_gguf: Path) -> None:
-    assert_row_alone_equals_batch(lambda: _runner(smollm2_gguf, "float32", True), 4)
+    # the prompts' step runs fused too
+    assert_row_alone_equals_batch(lambda: _runner(smollm2_gguf, "float32", True), 4, fused=5)
 
 
 def test_layers_on_other_kernels_take_the_torch_path(smollm2_gguf: Path) -> None:
@@ -65,8 +72,24 @@ def test_layers_on_other_kernels_take_the_torch_path(smollm2_gguf: Path) -> None
 
 
 def test_gguf_steps_fuse_up_to_the_integer_kernels_rows(smollm2_gguf: Path) -> None:
-    runner = _runner(smollm2_gguf, "float32", True)
+    """Where the layers run the integer kernel beyond GGUF_MAX_ROWS rows, the call
+    takes those steps; where they chose the tiles there, the torch path runs."""
     prompts = [list(range(3 + i, 9 + i)) for i in range(GGUF_MAX_ROWS + 1)]
-    assert _generate(runner, prompts[:GGUF_MAX_ROWS], 2).fused_calls == 2
     runner = _runner(smollm2_gguf, "float32", True)
-    assert _generate(runner, prompts, 2).fused_calls == 0
+    assert _generate(runner, prompts, 2).fused_calls == 3  # prompts and decodes
+    runner = _runner(smollm2_gguf, "float32", True)
+    for m in runner.model.layers.modules():
+        if isinstance(m, GGUFLinear):  # int up to GGUF_MAX_ROWS rows, tiles beyond
+            m.set_kernels(tuple("int" if b <= GGUF_MAX_ROWS else "tiles" for b in BUCKETS))
+    fused = runner.model.fused_decode
+    assert fused is not None
+    fused.buckets = _gguf_buckets(runner.model)
+    assert _generate(runner, prompts[:2], 2).fused_calls == 3  # 12 prompt tokens
+    assert _generate(runner, prompts, 2).fused_calls == 0  # 102 tokens, then 17 rows
+
+
+def test_gguf_steps_beyond_the_token_cap_take_the_torch_path(smollm2_gguf: Path) -> None:
+    runner = _runner(smollm2_gguf, "float32", True)
+    per = GGUF_MAX_TOKENS // 5 + 1  # five prompts (of four blocks each) over the cap
+    prompts = [list(range(3 + i, 3 + i + per)) for i in range(5)]
+    assert _generate(runner, prompts, 2).fused_calls == 2  # the decodes only

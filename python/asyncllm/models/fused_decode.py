@@ -14,10 +14,11 @@ SwiGLU), on CPU, float32 or bfloat16, with every projection on the checkpoint's
 layout (a weight reordered for oneDNN cannot be read here) or in GGUF blocks
 (`models.gguf`: then only for the row counts where every GGUF layer chose the
 integer kernel, which the fused call runs), and steps of at most `MAX_ROWS` tokens
-(with GGUF layers `GGUF_MAX_ROWS` requests, whose integer kernel serves up to 16
-rows, and up to `GGUF_MAX_TOKENS` tokens when they are verifications) that each
-attend as a decode: decodes, and speculative decoding's verification
-tokens. Anything else takes the torch path.
+(with GGUF layers up to `GGUF_MAX_TOKENS`) whose every token attends as a decode:
+decodes, speculative decoding's verification tokens and, with GGUF layers, the
+prompt tokens the CPU attends token-wise (`step_inputs.gather_step_inputs`'s
+`prompt_runs`: the same attention kernel either way). Anything else takes the
+torch path.
 
 The numbers are the torch path's: the kernel rounds to the model's dtype wherever
 the torch path holds a tensor, and runs the same matrix-vector and attention
@@ -59,14 +60,14 @@ logger = logging.getLogger(__name__)
 # Decode rows a fused step takes. Beyond a few rows the matrix-vector kernel does
 # the FLOPs without a GEMM's blocking and the per-op cost matters less.
 MAX_ROWS = 8
-# With GGUF layers the kernel the torch path would run up to 16 rows is the same
-# integer kernel the call runs (gguf_select), so the call takes those steps too.
+# With GGUF layers the call runs the integer kernel the torch path runs at every row
+# count where gguf_select chose it (up to 16 rows it is the only choice), so it
+# takes those steps too, up to GGUF_MAX_TOKENS tokens: a speculative verification
+# (its kernels chosen by its decode step's rows, `kernel_rows`) or a prompt that
+# attends token-wise. On the torch path such a step's ~150 kernel calls go through
+# Python one by one, with the torch ops between them: at 16 streams a tenth of a
+# verification step; a quarter of a 110-token SmolLM2 prefill (Zen 5).
 GGUF_MAX_ROWS = FUSED_MAX_ROWS
-# Tokens of a GGUF step: a speculative verification of up to GGUF_MAX_ROWS requests
-# brings each request's k + 1 tokens and chooses its kernels by its decode step's
-# rows (`kernel_rows`), so it runs the integer kernel whatever its token count. On
-# the torch path its ~150 kernel calls a step go through Python one by one: at 16
-# streams a tenth of the step.
 GGUF_MAX_TOKENS = 256
 
 
@@ -96,7 +97,6 @@ class FusedDecode:
         # With GGUF layers, the row buckets whose chosen kernels the call computes
         # (None: every bucket, float weights only).
         self.buckets = buckets
-        self.max_rows = MAX_ROWS if buckets is None else GGUF_MAX_ROWS
         self.max_tokens = MAX_ROWS if buckets is None else GGUF_MAX_TOKENS
 
     @classmethod
@@ -138,11 +138,9 @@ class FusedDecode:
             return False
         # GGUF layers: the bucket they would choose by (a verification: its decode step's)
         rows = kernel_rows.rows or meta.num_tokens
-        if rows > self.max_rows:
-            return False
-        if self.buckets is not None and bucket_index(rows) not in self.buckets:
-            return False
-        return _each_a_decode(meta)
+        if self.buckets is None:
+            return rows <= MAX_ROWS and _each_a_decode(meta, prompts=False)
+        return bucket_index(rows) in self.buckets and _each_a_decode(meta, prompts=True)
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -161,21 +159,20 @@ class FusedDecode:
         return hidden
 
 
-def _each_a_decode(meta: AttentionMetadata) -> bool:
+def _each_a_decode(meta: AttentionMetadata, prompts: bool) -> bool:
     """Whether every token of the step attends as a decode of its own: decodes, then
-    tokens that attend token-wise (speculative decoding's verifications: a request's
-    last token and its drafts, each bounded by its own position). The kernel writes
-    every row's K/V before any row attends, so each token sees the ones before it,
-    as the torch path's do."""
+    tokens that attend token-wise: speculative decoding's verifications (a
+    request's last token and its drafts, each bounded by its own position) and,
+    when `prompts`, prompt tokens (`token_wise_spans` None: every span of the step
+    is token-wise). The kernel writes every row's K/V before any row attends, so
+    each token sees the ones before it, as the torch path's do."""
     if meta.num_decodes == meta.num_tokens:
         return meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     tw, spans = meta.token_wise, meta.token_wise_spans
-    return (
-        tw is not None
-        and spans is not None
-        and spans == len(meta.prefills)  # no prompt spans (nor batch-invariant prompts)
-        and meta.num_decodes + len(tw[1]) == meta.num_tokens
-    )
+    if tw is None or meta.num_decodes + len(tw[1]) != meta.num_tokens:
+        return False
+    # spans given: the verifications are token-wise; every span must be one
+    return spans == len(meta.prefills) if spans is not None else prompts
 
 
 def _rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
@@ -265,7 +262,7 @@ def _layer_unsupported(
 
 
 def _gguf_buckets(model: Any) -> frozenset[int] | None:
-    """The row buckets (up to GGUF_MAX_ROWS) where every GGUF projection of the layers
+    """The row buckets (up to GGUF_MAX_TOKENS) where every GGUF projection of the layers
     runs what the fused call runs — the integer kernel on block parts, the float
     one on float parts — or None when no projection is GGUF."""
     gguf = [m for layer in model.layers for m in layer.modules() if isinstance(m, GGUFLinear)]
@@ -276,7 +273,7 @@ def _gguf_buckets(model: Any) -> frozenset[int] | None:
         kernel = layer.kernels[bucket]
         return kernel == "int" or (kernel == "float" and not set(layer.qtypes) & INT_TYPES)
 
-    buckets = range(bucket_index(GGUF_MAX_ROWS) + 1)
+    buckets = range(bucket_index(GGUF_MAX_TOKENS) + 1)
     return frozenset(b for b in buckets if all(fused_there(m, b) for m in gguf))
 
 
