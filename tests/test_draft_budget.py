@@ -4,8 +4,15 @@ pay for themselves, from the step times and acceptances it observes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from asyncllm.worker.draft_budget import EXPLORE_EVERY, DraftBudget
+from asyncllm import _core
+from asyncllm.worker.draft_budget import (
+    EXPLORE_EVERY,
+    ROW_PRIOR_WEIGHT,
+    SLACK,
+    DraftBudget,
+)
 
 ALL = np.arange(16)
 
@@ -118,3 +125,44 @@ def test_each_request_gets_the_drafts_its_own_acceptance_pays_for() -> None:
     b.reset(12)  # as a row no request has used (20)
     fresh = np.concatenate((np.arange(12), [20], np.arange(13, 16)))
     assert (b.caps(16, ALL) == b.caps(16, fresh)).all()
+
+
+def _reference_caps(
+    took: np.ndarray, reached: np.ndarray, overall: float, t0: float, t1: float, num_rows: int
+) -> np.ndarray:
+    """The caps in numpy, as the budget computed them before the extension did."""
+    n, k = took.shape
+    own = (took.sum(axis=1) + ROW_PRIOR_WEIGHT * overall) / (reached.sum(axis=1) + ROW_PRIOR_WEIGHT)
+    rate = (took + ROW_PRIOR_WEIGHT * own[:, None]) / (reached + ROW_PRIOR_WEIGHT)
+    gains = np.cumprod(np.minimum(rate, 1.0), axis=1).ravel()
+    order = np.argsort(-gains, kind="stable")
+    tokens = num_rows + np.concatenate(([0.0], np.cumsum(gains[order])))
+    rates = tokens / np.maximum(t0 + t1 * (num_rows + np.arange(len(order) + 1)), 1e-9)
+    best = int(np.argmax(rates))
+    best = max(best, int(np.count_nonzero(gains[order] >= rates[best] * t1 * (1.0 - SLACK))))
+    return np.bincount(order[:best] // k, minlength=n)
+
+
+def test_the_extensions_caps_are_the_numpy_ranking() -> None:
+    rng = np.random.default_rng(7)
+    for case in range(300):
+        rows, k = int(rng.integers(1, 33)), int(rng.integers(1, 9))
+        reached = rng.uniform(0, 6, (rows, k)) * (rng.random((rows, k)) < 0.9)
+        took = reached * rng.uniform(0, 1, (rows, k))
+        proposing = rng.permutation(rows)[: int(rng.integers(1, rows + 1))]
+        overall = float(rng.uniform(0, 1))
+        t0, t1 = float(rng.uniform(1e-3, 2e-2)), float(rng.uniform(0, 2e-3))
+        num_rows = int(rng.integers(1, 33))
+        got = _core._draft_caps(
+            took, reached, proposing, overall, ROW_PRIOR_WEIGHT, t0, t1, num_rows, SLACK
+        )
+        want = _reference_caps(took[proposing], reached[proposing], overall, t0, t1, num_rows)
+        assert got == want.tolist(), case
+
+
+def test_the_caps_reject_a_row_out_of_range() -> None:
+    counts = np.zeros((4, 8))
+    with pytest.raises(ValueError, match="proposing holds row 4"):
+        _core._draft_caps(counts, counts, np.array([4]), 0.5, 2.0, 1e-3, 1e-4, 1, 0.1)
+    with pytest.raises(ValueError, match="reached has shape"):
+        _core._draft_caps(counts, np.zeros((4, 7)), np.array([0]), 0.5, 2.0, 1e-3, 1e-4, 1, 0.1)

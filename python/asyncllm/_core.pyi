@@ -772,6 +772,23 @@ GRAMMAR_RUNNING: Final[int]
 GRAMMAR_COMPLETE: Final[int]
 GRAMMAR_ERROR: Final[int]
 
+def _draft_caps(
+    accepted: _Buffer,
+    reached: _Buffer,
+    proposing: _Buffer,
+    overall: float,
+    prior_weight: float,
+    t0: float,
+    t1: float,
+    num_rows: int,
+    slack: float,
+) -> list[int]:
+    """Each proposing request's draft cap (rust/spec/budget.rs, for
+    `worker.draft_budget.DraftBudget.caps`): `accepted` and `reached` the decayed
+    counts of every batch row (float64 [rows, k]), `proposing` the rows asking
+    (int64 [n]), the step's cost t0 + t1 * rows for `num_rows` requests. Raises
+    ValueError on a shape or a row out of range."""
+
 @final
 class NgramProposer:
     """Prompt-lookup (n-gram) draft proposals for up to `num_rows` rows: each row's

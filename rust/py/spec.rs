@@ -8,6 +8,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::kernels::buffer;
+use crate::spec::budget::{caps, Acceptance, StepCost};
 use crate::spec::ngram::NgramProposer;
 use crate::spec::suffix::{SuffixConfig, SuffixProposer};
 
@@ -257,7 +258,70 @@ impl PySuffixProposer {
     }
 }
 
+/// Each proposing request's draft cap (`crate::spec::budget::caps`):
+/// `accepted` and `reached` are the decayed counts of every batch row (float64
+/// `[rows, k]`), `proposing` the rows of the requests asking (int64 `[n]`), the
+/// step's cost `t0 + t1 * rows` for `num_rows` requests. ValueError on a shape
+/// or a row out of range.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the budget's state and the step's cost
+fn _draft_caps(
+    py: Python<'_>,
+    accepted: &Bound<'_, PyAny>,
+    reached: &Bound<'_, PyAny>,
+    proposing: &Bound<'_, PyAny>,
+    overall: f64,
+    prior_weight: f64,
+    t0: f64,
+    t1: f64,
+    num_rows: usize,
+    slack: f64,
+) -> PyResult<Vec<usize>> {
+    let took = buffer::<f64>(accepted, "accepted", "float64", 2)?;
+    let got = buffer::<f64>(reached, "reached", "float64", 2)?;
+    let (rows, k) = (took.shape()[0], took.shape()[1]);
+    if got.shape() != took.shape() {
+        return Err(err(format!(
+            "_draft_caps: reached has shape {:?}, accepted {:?}",
+            got.shape(),
+            took.shape()
+        )));
+    }
+    let which = sizes(py, proposing, "proposing")?;
+    if let Some(&bad) = which.iter().find(|&&r| r >= rows) {
+        return Err(err(format!(
+            "_draft_caps: proposing holds row {bad}, beyond the {rows} rows"
+        )));
+    }
+    if k == 0 {
+        return Ok(vec![0; which.len()]);
+    }
+    let (took, got) = (took.to_vec(py)?, got.to_vec(py)?);
+    let gather = |all: &[f64]| -> Vec<f64> {
+        which
+            .iter()
+            .flat_map(|&r| all[r * k..(r + 1) * k].iter().copied())
+            .collect()
+    };
+    let (took, got) = (gather(&took), gather(&got));
+    let acc = Acceptance {
+        accepted: &took,
+        reached: &got,
+        k,
+        overall,
+        prior_weight,
+    };
+    let cost = StepCost {
+        t0,
+        t1,
+        num_rows,
+        slack,
+    };
+    Ok(caps(&acc, &cost))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyNgramProposer>()?;
-    m.add_class::<PySuffixProposer>()
+    m.add_class::<PySuffixProposer>()?;
+    m.add_function(wrap_pyfunction!(_draft_caps, m)?)
 }

@@ -6,9 +6,11 @@
 //! SuffixDecoding: suffix tries (`suffix_trie`) over each request's tokens and
 //! over recent requests' outputs propose the most frequent continuation, as
 //! long as it is likely. Both back off rows whose drafts are rejected
-//! (`backoff`).
+//! (`backoff`). `budget` computes how many drafts each request's verification
+//! pays for (the runner's `DraftBudget`).
 
 pub mod backoff;
+pub mod budget;
 pub mod ngram;
 pub mod suffix;
 pub mod suffix_trie;
