@@ -55,6 +55,22 @@ def test_config_and_layers_from_the_file(smollm2_gguf: Path) -> None:
     assert unsupported(model) is None
 
 
+def test_a_bf16_models_logits_are_the_heads_float32(smollm2_gguf: Path) -> None:
+    """The LM head hands the sampler its kernel's float32 sums, not rounded to the
+    activations' bf16 (two conversions of [rows, vocab] and precision lost)."""
+    folder = prepare_gguf(smollm2_gguf)
+    model = load_model(folder, load_hf_config(folder), torch.bfloat16, torch.device("cpu"))
+    hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    head = model.logits_head
+    assert isinstance(head, GGUFLinear) and head.out_dtype == torch.float32
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, head.run("int", hidden.float()))
+    assert not torch.equal(logits, logits.to(torch.bfloat16).float())
+    layer = model.layers[0].mlp.down_proj  # the layers keep the activations' dtype
+    assert layer(torch.zeros(1, 1536, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_greedy_chat_equals_transformers(
     smollm2_gguf: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:

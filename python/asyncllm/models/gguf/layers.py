@@ -106,6 +106,12 @@ class GGUFLinear(nn.Module):
         self.kernels = default_kernels()
         # per part: whether its blocks are in the panel layout
         self.panels = tuple(panels and q in INT_TYPES for q in self.qtypes)
+        # the output's dtype, None: the input's. An LM head's is float32 (the
+        # loader sets it): its kernels compute in float32 and the sampler reads
+        # float32, so rounding [rows, vocab] to bf16 between them cost two
+        # conversions into fresh memory (144 rows of SmolLM2: ~50 ms a step,
+        # 4x the kernel) and the logits' precision
+        self.out_dtype: torch.dtype | None = None
 
     def pack_panels(self) -> None:
         """Repack the block parts on the CPU into the panel layout, in place (once;
@@ -154,8 +160,9 @@ class GGUFLinear(nn.Module):
                 w = dequantize(raw[start : start + self.tile_rows], qtype, panels)
                 outs.append(F.linear(x, w if x.dtype == w.dtype else w.to(dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if out.dtype != rows.dtype:
-            out = out.to(rows.dtype)
+        dtype = self.out_dtype or rows.dtype
+        if out.dtype != dtype:
+            out = out.to(dtype)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -171,12 +178,12 @@ def _fused(
     raw: torch.Tensor,
     panels: bool = False,
 ) -> torch.Tensor:
-    """x · Wᵀ by one of the extension's kernels on the blocks (float32 in and out),
-    in the panel layout when `panels`."""
+    """x · Wᵀ in float32 by one of the extension's kernels on the blocks, in the
+    panel layout when `panels` (the caller rounds it to its output dtype)."""
     x = rows.float().contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
     fn(qtype, out.numpy(), x.numpy(), raw.numpy(), torch.get_num_threads(), panels=panels)
-    return out if rows.dtype == torch.float32 else out.to(rows.dtype)
+    return out
 
 
 class GGUFEmbedding(nn.Module):

@@ -70,6 +70,8 @@ def load_gguf_model(
         model.logits_head = embed.as_linear()
     elif isinstance(model.lm_head, GGUFLinear):
         model.logits_head = model.lm_head
+    if isinstance(model.logits_head, GGUFLinear):
+        model.logits_head.out_dtype = torch.float32  # the logits as computed
     return model.eval()
 
 
