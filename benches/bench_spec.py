@@ -9,20 +9,21 @@ copy.
                                  [--weights gguf|bf16] [--methods ngram,suffix]
                                  [--workloads editing,common answer,open chat]
 
-The engines (off and one per method) are started once and alternate round by
-round; each round runs every workload at each stream count, greedy (temperature 0)
-and sampled (temperature 0.7, top_p 0.95, a seed per request), `--tokens` new
-tokens per request. Reported: the median tokens/s of each engine, the median of the
-per-round ratios on / off, the share of tokens identical to decoding without
-speculation, greedy and seeded (the default mode, not batch-invariant: a k + 1-row
-forward may round differently), the acceptance rate (accepted / proposed draft
-tokens), the mean accepted length (1 + accepted per draft) and the acceptance per
-draft position. Every engine is warmed up first (`--tokens` tokens at each stream
-count, on a prompt unlike the workloads'). The suffix engine starts afresh (and is
-warmed up) for every cell (workload, streams, sampling, round): its shared outputs
-are those of the cell's own requests and the warm-up's, never the same prompt's
-answer from an earlier cell. Prefix caching is off in every engine, so each
-computes every prompt the same way (whole) whatever ran before.
+The engines (off and one per method) are started once and alternate round by round;
+each round runs every workload at each stream count, greedy (temperature 0) and
+sampled (temperature 0.7, top_p 0.95, a seed per request and round: each round draws
+other samples, so a sampled row's median spans several draws of each prompt),
+`--tokens` new tokens per request. Reported: the median tokens/s of each engine, the
+median of the per-round ratios on / off, the share of tokens identical to decoding
+without speculation (first round), greedy and seeded (the default mode, not batch-
+invariant: a k + 1-row forward may round differently), the acceptance rate (accepted
+/ proposed draft tokens), the mean accepted length (1 + accepted per draft) and the
+acceptance per draft position. Every engine is warmed up first (`--tokens` tokens at
+each stream count, on a prompt unlike the workloads'). The suffix engine starts
+afresh (and is warmed up) for every cell (workload, streams, sampling, round): its
+shared outputs are those of the cell's own requests and the warm-up's, never the
+same prompt's answer from an earlier cell. Prefix caching is off in every engine, so
+each computes every prompt the same way (whole) whatever ran before.
 
 The issue's targets: editing >= 2.0x at 1 stream and >= 1.3x at 16; open-ended
 chat >= 0.97x at both.
@@ -91,21 +92,23 @@ def params(kind: str, tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=tokens, temperature=0.7, top_p=0.95, seed=seed)
 
 
-def run(llm: LLM, prompts: list[str], kind: str, tokens: int, streams: int) -> tuple[float, list]:
+def run(
+    llm: LLM, prompts: list[str], kind: str, tokens: int, streams: int, first_seed: int = 0
+) -> tuple[float, list]:
     """Tokens/s over the prompts, `streams` requests at a time (each prompt repeated
-    to fill them), and the greedy token ids."""
+    to fill them), and the token ids; sampled requests are seeded from `first_seed`."""
     chats = [[{"role": "user", "content": p}] for p in prompts]
     generated = 0
     ids = []
     t0 = time.perf_counter()
     if streams == 1:
         for i, chat in enumerate(chats):
-            out = llm.chat([chat], params(kind, tokens, i), use_tqdm=False)[0]
+            out = llm.chat([chat], params(kind, tokens, first_seed + i), use_tqdm=False)[0]
             generated += len(out.outputs[0].token_ids)
             ids.append(list(out.outputs[0].token_ids))
     else:
         batch = [chats[i % len(chats)] for i in range(streams)]
-        ps = [params(kind, tokens, i) for i in range(streams)]
+        ps = [params(kind, tokens, first_seed + i) for i in range(streams)]
         outs = llm.chat(batch, ps, use_tqdm=False)
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -199,7 +202,8 @@ def main() -> None:
                             engines[m] = start(m)
                     for engine, llm in engines.items():
                         before = spec_stats(llm) if engine != "off" else {}
-                        rate, ids = run(llm, prompts, kind, args.tokens, n)
+                        seed = r * max(n, len(prompts))  # each round its own draws
+                        rate, ids = run(llm, prompts, kind, args.tokens, n, seed)
                         rates.setdefault(key, {}).setdefault(engine, []).append(rate)
                         got[engine] = ids
                         if engine != "off":
