@@ -270,9 +270,9 @@ fn rows<P: Panel, B: IntBlock>(it: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, 
                 base: w.as_ptr(),
                 lane: first_row,
             };
-            groups::<P, B, Panels>(src, next, xq, lanes, first_row, store);
+            groups::<P, B, Panels>(src, w, next, xq, lanes, first_row, store);
         } else {
-            groups::<P, B, Rows>(Rows(&rows), next, xq, lanes, first_row, store);
+            groups::<P, B, Rows>(Rows(&rows), &[], next, xq, lanes, first_row, store);
         }
     }
 }
@@ -282,6 +282,7 @@ fn rows<P: Panel, B: IntBlock>(it: Item<'_>, xq: &Q8Rows, store: &dyn Fn(usize, 
 #[inline(always)]
 fn groups<P: Panel, B: IntBlock, S: Source<P>>(
     src: S,
+    mut cur: &[u8],
     mut next: &[u8],
     xq: &Q8Rows,
     lanes: usize,
@@ -301,29 +302,29 @@ fn groups<P: Panel, B: IntBlock, S: Source<P>>(
         };
         let mut out = [[0.0f32; 16]; 64];
         match size {
-            64 => panel::<P, B, S, 64>(src, next, xq, r, &mut out),
-            32 => panel::<P, B, S, 32>(src, next, xq, r, &mut out),
-            16 => panel::<P, B, S, 16>(src, next, xq, r, &mut out),
-            15 => panel::<P, B, S, 15>(src, next, xq, r, &mut out),
-            14 => panel::<P, B, S, 14>(src, next, xq, r, &mut out),
-            13 => panel::<P, B, S, 13>(src, next, xq, r, &mut out),
-            12 => panel::<P, B, S, 12>(src, next, xq, r, &mut out),
-            11 => panel::<P, B, S, 11>(src, next, xq, r, &mut out),
-            10 => panel::<P, B, S, 10>(src, next, xq, r, &mut out),
-            9 => panel::<P, B, S, 9>(src, next, xq, r, &mut out),
-            8 => panel::<P, B, S, 8>(src, next, xq, r, &mut out),
-            7 => panel::<P, B, S, 7>(src, next, xq, r, &mut out),
-            6 => panel::<P, B, S, 6>(src, next, xq, r, &mut out),
-            5 => panel::<P, B, S, 5>(src, next, xq, r, &mut out),
-            4 => panel::<P, B, S, 4>(src, next, xq, r, &mut out),
-            3 => panel::<P, B, S, 3>(src, next, xq, r, &mut out),
-            2 => panel::<P, B, S, 2>(src, next, xq, r, &mut out),
-            _ => panel::<P, B, S, 1>(src, next, xq, r, &mut out),
+            64 => panel::<P, B, S, 64>(src, cur, next, xq, r, &mut out),
+            32 => panel::<P, B, S, 32>(src, cur, next, xq, r, &mut out),
+            16 => panel::<P, B, S, 16>(src, cur, next, xq, r, &mut out),
+            15 => panel::<P, B, S, 15>(src, cur, next, xq, r, &mut out),
+            14 => panel::<P, B, S, 14>(src, cur, next, xq, r, &mut out),
+            13 => panel::<P, B, S, 13>(src, cur, next, xq, r, &mut out),
+            12 => panel::<P, B, S, 12>(src, cur, next, xq, r, &mut out),
+            11 => panel::<P, B, S, 11>(src, cur, next, xq, r, &mut out),
+            10 => panel::<P, B, S, 10>(src, cur, next, xq, r, &mut out),
+            9 => panel::<P, B, S, 9>(src, cur, next, xq, r, &mut out),
+            8 => panel::<P, B, S, 8>(src, cur, next, xq, r, &mut out),
+            7 => panel::<P, B, S, 7>(src, cur, next, xq, r, &mut out),
+            6 => panel::<P, B, S, 6>(src, cur, next, xq, r, &mut out),
+            5 => panel::<P, B, S, 5>(src, cur, next, xq, r, &mut out),
+            4 => panel::<P, B, S, 4>(src, cur, next, xq, r, &mut out),
+            3 => panel::<P, B, S, 3>(src, cur, next, xq, r, &mut out),
+            2 => panel::<P, B, S, 2>(src, cur, next, xq, r, &mut out),
+            _ => panel::<P, B, S, 1>(src, cur, next, xq, r, &mut out),
         }
         for (i, row) in out[..size].iter().enumerate() {
             store(r + i, first_row, &row[..lanes]);
         }
-        next = &[];
+        (cur, next) = (&[], &[]);
         r += size;
     }
 }
@@ -336,6 +337,7 @@ fn groups<P: Panel, B: IntBlock, S: Source<P>>(
 #[inline(always)]
 fn panel<P: Panel, B: IntBlock, S: Source<P>, const R: usize>(
     src: S,
+    cur: &[u8],
     next: &[u8],
     xq: &Q8Rows,
     first: usize,
@@ -356,18 +358,34 @@ fn panel<P: Panel, B: IntBlock, S: Source<P>, const R: usize>(
     unsafe {
         let mut acc = [P::fzero(); R];
         let blocks = nb / B::SUBS;
+        // the stream this panel's reads walk: its own lines (the GGUF layout's
+        // rows are not one stream: as many as the next's), then the next's
         let lines = next.len().div_ceil(64);
+        let own = if cur.is_empty() {
+            lines
+        } else {
+            cur.len() / 64
+        };
         for bi in 0..blocks {
-            // a share of the next panel's cache lines a block: a panel's rows are
-            // each too short a stream for the CPU's prefetcher to learn (Q8_0
-            // rows of 576: ten lines), and demand misses had left a 49152 x 576
-            // LM head at 8 GB/s
-            for line in bi * lines / blocks..(bi + 1) * lines / blocks {
-                prefetch(next.as_ptr().add(64 * line));
-            }
             B::panel::<P, S>(src, bi, |s, wv, sc, off| {
-                let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
+                // the stream's lines one panel past this sub-block's share, a
+                // share a sub-block: a panel's rows are each too short
+                // a stream for the CPU's prefetcher to learn (Q8_0 rows of 576:
+                // ten lines), and demand misses had left a 49152 x 576 LM head at
+                // 8 GB/s. By sub-block, not block: a K type's block asked for
+                // 36-53 lines at once (Q4_K 28 -> 41 GB/s, Q6_K 25 -> 34 out of
+                // cache, one row, two threads, Zen 5). Written with the branch
+                // on this panel's own lines (which one panel ahead never takes):
+                // the branch-free loop unrolls into bursts, Q8_0 1.2x slower.
                 let xb = bi * B::SUBS + s;
+                for line in xb * own / nb + own..(xb + 1) * own / nb + own {
+                    if line < own {
+                        prefetch(cur.as_ptr().add(64 * line));
+                    } else if line - own < lines {
+                        prefetch(next.as_ptr().add(64 * (line - own)));
+                    }
+                }
+                let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
                 for (r, acc) in acc.iter_mut().enumerate() {
                     *acc = sub_dot::<P, B>(*acc, &wv, sc, off, xq, (first + r) * nb + xb);
                 }

@@ -89,8 +89,15 @@ impl<P: Panel> Source<P> for Panels {
         // SAFETY: the caller's panel holds block `b` (16 · BYTES bytes from
         // `b · 16 · BYTES`); words `word..word + 4` lie in its body.
         unsafe {
-            let at = self.base.add(16 * b * B::BYTES + 4 * self.lane);
-            std::array::from_fn(|t| P::load(at.add(64 * (word + t))))
+            let at = self.base.add(16 * b * B::BYTES + 4 * self.lane + 64 * word);
+            // written out, not `array::from_fn`: its closure is compiled for the
+            // baseline ISA, so in a large caller (Q6_K's) the loads became calls
+            [
+                P::load(at),
+                P::load(at.add(64)),
+                P::load(at.add(128)),
+                P::load(at.add(192)),
+            ]
         }
     }
     #[inline(always)]
