@@ -366,25 +366,47 @@ fn panel<P: Panel, B: IntBlock, S: Source<P>, const R: usize>(
         } else {
             cur.len() / 64
         };
+        // lines a sub-block in 16.16 fixed point, rounded up: no division a
+        // sub-block (the shares' bounds are hints; the last may overshoot by a
+        // line, which the bounds check below drops)
+        let step = (own << 16).div_ceil(nb);
+        let mut done = own;
         for bi in 0..blocks {
+            // a share of the stream's lines one panel ahead: a panel's rows are
+            // each too short a stream for the CPU's prefetcher to learn (Q8_0
+            // rows of 576: ten lines), and demand misses had left a 49152 x 576
+            // LM head at 8 GB/s. A share a block where several x rows make the
+            // call compute-bound (a share a sub-block there cost 9 rows of Q8_0
+            // 1.1-1.2x)...
+            if R > 2 {
+                for line in bi * lines / blocks..(bi + 1) * lines / blocks {
+                    prefetch(next.as_ptr().add(64 * line));
+                }
+            }
             B::panel::<P, S>(src, bi, |s, wv, sc, off| {
-                // the stream's lines one panel past this sub-block's share, a
-                // share a sub-block: a panel's rows are each too short
-                // a stream for the CPU's prefetcher to learn (Q8_0 rows of 576:
-                // ten lines), and demand misses had left a 49152 x 576 LM head at
-                // 8 GB/s. By sub-block, not block: a K type's block asked for
-                // 36-53 lines at once (Q4_K 28 -> 41 GB/s, Q6_K 25 -> 34 out of
-                // cache, one row, two threads, Zen 5). Written with the branch
-                // on this panel's own lines (which one panel ahead never takes):
-                // the branch-free loop unrolls into bursts, Q8_0 1.2x slower.
+                // ...and a share a sub-block at one or two, where the stream
+                // binds: a K type's block had asked for 36-53 lines at once
+                // (out of cache, one row, two threads, Zen 5: Q4_K 28 -> 41
+                // GB/s, Q6_K 25 -> 34). Written with the branch on this panel's
+                // own lines (which one panel ahead never takes): the branch-free
+                // loop unrolls into bursts, Q8_0 1.2x slower. In cache (a
+                // matrix in L2, one thread) one row is 1.1-1.3x slower than a
+                // share a block; out of cache, where a model's weights are,
+                // SmolLM2's batch-1 decode is 1.07x faster.
                 let xb = bi * B::SUBS + s;
-                for line in xb * own / nb + own..(xb + 1) * own / nb + own {
+                let to = if R > 2 {
+                    done
+                } else {
+                    own + (((xb + 1) * step) >> 16)
+                };
+                for line in done..to {
                     if line < own {
                         prefetch(cur.as_ptr().add(64 * line));
                     } else if line - own < lines {
                         prefetch(next.as_ptr().add(64 * (line - own)));
                     }
                 }
+                done = to;
                 let wv = if B::SIGNED { signed::<P>(*wv) } else { *wv };
                 for (r, acc) in acc.iter_mut().enumerate() {
                     *acc = sub_dot::<P, B>(*acc, &wv, sc, off, xq, (first + r) * nb + xb);
