@@ -10,6 +10,7 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.worker.huge_pages import advise_huge_pages
 
 _GIB = 1 << 30
 
@@ -53,9 +54,13 @@ def num_kv_blocks_for(config: EngineConfig, model: Any) -> int:
 
 def allocate_kv_caches(config: EngineConfig, model: Any, num_blocks: int) -> list[torch.Tensor]:
     # Zeroed, not empty: padded block-table entries read real memory, and NaN
-    # garbage there would survive a zero attention weight (0 * NaN = NaN).
+    # garbage there would survive a zero attention weight (0 * NaN = NaN). On the
+    # CPU, huge pages are asked for before the zeros touch the memory: blocks are
+    # read in random order (`huge_pages`).
     shape = (2, num_blocks, config.block_size, model.num_kv_heads, model.head_dim)
-    return [
-        torch.zeros(shape, dtype=config.torch_kv_cache_dtype, device=config.torch_device)
-        for _ in range(model.num_layers)
-    ]
+    caches = []
+    for _ in range(model.num_layers):
+        cache = torch.empty(shape, dtype=config.torch_kv_cache_dtype, device=config.torch_device)
+        advise_huge_pages(cache)
+        caches.append(cache.zero_())
+    return caches
