@@ -7,7 +7,10 @@
 //! integer kernel (`gguf_linear_int`; float parts by `gguf_linear`) in f32, the
 //! result rounded to the model's dtype, then the bias added and rounded again
 //! (`out + bias` on a tensor of that dtype). Parts stack along the output, as
-//! `torch.cat` stacks them.
+//! `torch.cat` stacks them. The integer kernel does the widening as it quantizes
+//! each row and the rounding as it stores each output, on the team's threads
+//! (`gguf_int::run_into`): passes over a 102-token prompt's rows on the calling
+//! thread, while the others waited, had been a tenth of its step.
 //!
 //! A projection may carry adapters (`ProjLora`): their products are added to its
 //! output by `lora_add`, as `LoRALinear` adds them to its base layer's output on
@@ -15,7 +18,7 @@
 
 use super::elementwise::widen;
 use super::gguf::GgufType;
-use super::gguf_int::gguf_linear_int;
+use super::gguf_int::{gguf_linear_int_into, OutRows};
 use super::gguf_linear::gguf_linear;
 use super::linear::{linear, Elem, LinearIsa, LinearShape};
 use super::lora::{add_checked, check as check_lora, LoraLayout, LoraShape};
@@ -145,21 +148,33 @@ pub(super) fn project<E: Elem>(
         Proj::Gguf(parts) => parts,
     };
     let LinearShape { m, k, n } = shape;
-    let mut x32 = vec![0.0f32; m * k];
-    widen(x, &mut x32);
+    let float = |t: GgufType| matches!(t, GgufType::F32 | GgufType::F16 | GgufType::Bf16);
+    // float parts run in f32; block parts read `x` and write `out` as they are
+    let x32 = if parts.iter().any(|p| float(p.t)) {
+        let mut x32 = vec![0.0f32; m * k];
+        widen(x, &mut x32);
+        x32
+    } else {
+        Vec::new()
+    };
     let mut first = 0;
     for p in parts {
         let rows = p.blocks.len() / p.t.row_bytes(k)?;
-        let mut y = vec![0.0f32; m * rows];
-        if matches!(p.t, GgufType::F32 | GgufType::F16 | GgufType::Bf16) {
+        if float(p.t) {
+            let mut y = vec![0.0f32; m * rows];
             gguf_linear(p.t, m, k, &x32, p.blocks, p.panels, num_threads, &mut y)?;
-        } else {
-            gguf_linear_int(p.t, m, k, &x32, p.blocks, p.panels, num_threads, &mut y)?;
-        }
-        for (dst, src) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
-            for (d, s) in dst[first..first + rows].iter_mut().zip(src) {
-                *d = E::from_f32(*s);
+            for (dst, src) in out.chunks_exact_mut(n).zip(y.chunks_exact(rows)) {
+                for (d, s) in dst[first..first + rows].iter_mut().zip(src) {
+                    *d = E::from_f32(*s);
+                }
             }
+        } else {
+            let to = OutRows {
+                out: &mut *out,
+                stride: n,
+                first,
+            };
+            gguf_linear_int_into(p.t, m, k, x, p.blocks, p.panels, num_threads, to)?;
         }
         first += rows;
     }

@@ -2,6 +2,7 @@
 //! quantized to int8 per 16 elements, as llama.cpp quantizes its Q8 activations.
 
 use super::gguf_int::QuantIsa;
+use super::linear::Elem;
 use super::KernelError;
 
 /// `x`'s rows quantized to int8 as llama.cpp's Q8 activations, but with a scale
@@ -24,8 +25,8 @@ pub(super) struct Q8Rows {
 }
 
 /// One run of rows' share of each of `Q8Rows`' arrays.
-type RowsMut<'a> = (
-    &'a [f32],
+type RowsMut<'a, E> = (
+    &'a [E],
     (
         &'a mut [i8],
         (&'a mut [[f32; 2]], (&'a mut [[i32; 2]], &'a mut [[f32; 3]])),
@@ -39,10 +40,10 @@ impl Q8Rows {
     /// SmolLM2 step went there). Rows are shared out over `num_threads` threads of
     /// the kernel team where there are several: at a 9-row verification it was a
     /// twentieth of the step, run on the calling thread while the others waited.
-    pub(super) fn quantize(
+    pub(super) fn quantize<E: Elem>(
         isa: QuantIsa,
         k: usize,
-        x: &[f32],
+        x: &[E],
         num_threads: usize,
     ) -> Result<Q8Rows, KernelError> {
         let n = x.len() / 32;
@@ -74,7 +75,7 @@ const ROWS_PER_ITEM: usize = 1;
 /// `fill` on `isa`'s copy. The arrays go as separate arguments: inside a tuple
 /// they lose the no-alias promise of `&mut`, and the halves' rounding then stays
 /// scalar (3x the time of the vector form, measured).
-fn fill_on(isa: QuantIsa, (x, (qs, (dx, (xs, sx)))): RowsMut<'_>) {
+fn fill_on<E: Elem>(isa: QuantIsa, (x, (qs, (dx, (xs, sx)))): RowsMut<'_, E>) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: every path but `Portable` is only constructed where the CPU
@@ -90,16 +91,23 @@ fn fill_on(isa: QuantIsa, (x, (qs, (dx, (xs, sx)))): RowsMut<'_>) {
 
 /// Quantizes one run of blocks into their shares of the arrays.
 #[inline(always)]
-fn fill(x: &[f32], qs: &mut [i8], dx: &mut [[f32; 2]], xs: &mut [[i32; 2]], sx: &mut [[f32; 3]]) {
+fn fill<E: Elem>(
+    x: &[E],
+    qs: &mut [i8],
+    dx: &mut [[f32; 2]],
+    xs: &mut [[i32; 2]],
+    sx: &mut [[f32; 3]],
+) {
     for (b, xb) in x.chunks_exact(32).enumerate() {
         let mut d = [0.0f32; 2];
         let mut sum = [0i32; 2];
         for h in 0..2 {
-            let xh: &[f32; 16] = xb[16 * h..16 * h + 16].try_into().unwrap();
+            // widened here (bf16 rows: a shift), so callers pass their rows as they are
+            let xh: [f32; 16] = std::array::from_fn(|i| xb[16 * h + i].to_f32());
             let qh: &mut [i8; 16] = (&mut qs[32 * b + 16 * h..32 * b + 16 * h + 16])
                 .try_into()
                 .unwrap();
-            (d[h], sum[h]) = quantize_half(xh, qh);
+            (d[h], sum[h]) = quantize_half(&xh, qh);
         }
         dx[b] = d;
         xs[b] = sum;
@@ -145,8 +153,8 @@ fn quantize_half(x: &[f32; 16], q: &mut [i8; 16]) -> (f32, i32) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fill_avx2(
-    x: &[f32],
+fn fill_avx2<E: Elem>(
+    x: &[E],
     qs: &mut [i8],
     dx: &mut [[f32; 2]],
     xs: &mut [[i32; 2]],
@@ -158,8 +166,8 @@ fn fill_avx2(
 /// 16 floats a vector: a half block is one register.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-fn fill_avx512(
-    x: &[f32],
+fn fill_avx512<E: Elem>(
+    x: &[E],
     qs: &mut [i8],
     dx: &mut [[f32; 2]],
     xs: &mut [[i32; 2]],

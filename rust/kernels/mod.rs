@@ -18,6 +18,7 @@ mod exp;
 mod gguf;
 mod gguf_int;
 mod gguf_int_blocks;
+mod gguf_int_loop;
 mod gguf_linear;
 mod gguf_panel;
 #[cfg(target_arch = "x86_64")]

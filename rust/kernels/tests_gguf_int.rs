@@ -7,8 +7,9 @@
 //! most `dx_b / 2` and the dot product by at most `Σ_i |w_i| · dx_b / 2`; on top of that, f32
 //! rounding of a sum of `k` terms (1e-4 of `Σ |w_i x_i|`, generous).
 
+use super::bf16::{bf16_to_f32, f32_to_bf16};
 use super::gguf::{dequantize, GgufType};
-use super::gguf_int::{run, QuantIsa};
+use super::gguf_int::{run, run_into, OutRows, QuantIsa};
 
 /// xorshift; the first value depends on the seed.
 pub(super) struct Rng(pub(super) u64);
@@ -85,6 +86,77 @@ fn every_path_equals_portable_bit_for_bit() {
             }
         }
     }
+}
+
+/// A fused step's projections (`decode_proj`) hand the kernel bf16 rows and a
+/// part's columns of a wider output: the bits of widening x, the f32 product
+/// and rounding each output, and the columns around the part untouched.
+#[test]
+fn bf16_rows_into_a_parts_columns_equal_widen_then_round() {
+    let (k, n, stride, first) = (256, 37, 45, 5);
+    let mut rng = Rng(19);
+    for t in INT_TYPES {
+        let w = blocks(t, n, k, &mut rng);
+        for m in [1, 9, 21] {
+            let xb: Vec<u16> = xs(m, k, &mut rng).into_iter().map(f32_to_bf16).collect();
+            let wide: Vec<f32> = xb.iter().map(|&b| bf16_to_f32(b)).collect();
+            let mut want = vec![0.0; m * n];
+            run(
+                QuantIsa::Portable,
+                t,
+                (m, k),
+                &wide,
+                (&w, false),
+                1,
+                &mut want,
+            )
+            .unwrap();
+            for isa in QuantIsa::available() {
+                let mut got = vec![0x1234u16; m * stride];
+                let out = OutRows {
+                    out: &mut got,
+                    stride,
+                    first,
+                };
+                run_into(isa, t, (m, k), &xb, (&w, false), 2, out).unwrap();
+                for r in 0..m {
+                    let row = &got[r * stride..(r + 1) * stride];
+                    let mine: Vec<u16> = want[r * n..(r + 1) * n]
+                        .iter()
+                        .map(|&v| f32_to_bf16(v))
+                        .collect();
+                    assert_eq!(
+                        &row[first..first + n],
+                        &mine[..],
+                        "{t:?} {isa:?} m={m} row {r}"
+                    );
+                    assert!(row[..first]
+                        .iter()
+                        .chain(&row[first + n..])
+                        .all(|&v| v == 0x1234));
+                }
+            }
+        }
+    }
+    // a part wider than its output's rows is an error, before anything is written
+    let w = blocks(GgufType::Q8_0, 4, 32, &mut rng);
+    let mut out = vec![0.0f32; 6];
+    let o = OutRows {
+        out: &mut out,
+        stride: 6,
+        first: 3,
+    };
+    let err = run_into(
+        QuantIsa::Portable,
+        GgufType::Q8_0,
+        (1, 32),
+        &[1.0; 32],
+        (&w, false),
+        1,
+        o,
+    );
+    assert!(err.is_err());
+    assert!(out.iter().all(|&v| v == 0.0));
 }
 
 #[test]
