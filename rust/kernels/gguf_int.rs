@@ -69,7 +69,7 @@ impl QuantIsa {
 
     /// `dst = src` rounded to `E`, compiled for this path's vectors (a bf16
     /// output's rounding, on the baseline ISA's four lanes, had been 4 % of a
-    /// 102-token prompt's step).
+    /// 102-token prompt's profile's samples; now 2.4 %).
     fn narrow<E: Elem>(self, src: &[f32], dst: &mut [E]) {
         match self {
             #[cfg(target_arch = "x86_64")]
@@ -216,7 +216,7 @@ pub(super) struct OutRows<'a, E> {
 /// way, the same bits as widening `x` to f32 and rounding the f32 result): a
 /// fused decode step's projections take its bf16 rows as they are, where a
 /// pass on the calling thread widened them and another rounded each output
-/// (at a 102-token SmolLM2 prompt, a tenth of the step).
+/// (at a 102-token SmolLM2 prompt, ~9 % of the profile's samples, ~3 % of the time).
 pub(super) fn run_into<E: Elem>(
     isa: QuantIsa,
     t: GgufType,
