@@ -193,18 +193,23 @@ impl<E: Elem> RowJob for RopeRow<'_, E> {
 /// Rotates q and k heads (`row`: `[heads, head_dim]`, q heads then k heads) in
 /// place by rotate-half (`apply_rotary`), each product and sum rounded as the
 /// torch ops round; the rotated q heads also go to `q32` in f32.
+///
+/// Zipped slices of one length, not indexing: `cos[i]` with `cos` of unknown
+/// length kept a bounds check in the loop, which left it scalar (a SmolLM2
+/// prompt's profile: 4.5 % of the samples, more than attention's half).
 #[inline(always)]
 fn rotate<E: Elem>(row: &mut [E], head_dim: usize, cos: &[E], sin: &[E], q32: &mut [f32]) {
     let half = head_dim / 2;
+    let (cos, sin) = (&cos[..half], &sin[..half]);
     for head in row.chunks_exact_mut(head_dim) {
         let (x1, x2) = head.split_at_mut(half);
-        for i in 0..half {
-            let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
-            let (c, s) = (cos[i].to_f32(), sin[i].to_f32());
+        for (((x1, x2), c), s) in x1.iter_mut().zip(x2.iter_mut()).zip(cos).zip(sin) {
+            let (a, b) = (x1.to_f32(), x2.to_f32());
+            let (c, s) = (c.to_f32(), s.to_f32());
             let lo = round::<E>(a * c) - round::<E>(b * s);
             let hi = round::<E>(b * c) + round::<E>(a * s);
-            x1[i] = E::from_f32(lo);
-            x2[i] = E::from_f32(hi);
+            *x1 = E::from_f32(lo);
+            *x2 = E::from_f32(hi);
         }
     }
     widen(&row[..q32.len()], q32);
