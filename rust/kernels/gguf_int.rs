@@ -31,9 +31,14 @@ use super::linear::Elem;
 use super::team;
 use super::KernelError;
 
-/// Output features per work item (one panel of the panel layout; one or two
-/// of the kernel's).
-const ITEM_ROWS: usize = PANEL;
+/// Output features per work item: two panels of the panel layout (two or four
+/// of the kernel's). Against one panel an item, SmolLM2's 120 projections out of
+/// cache (Zen 5, builds alternated in one process, same bits) took 0.95-0.97x
+/// the time at 9 to 128 rows, the same at one or two; four panels an item was
+/// 0.97-1.03x, its items too few to share out evenly (a 576-wide layer has 36
+/// panels: nine items for two threads).
+const ITEM_ROWS: usize = PANELS_PER_ITEM * PANEL;
+const PANELS_PER_ITEM: usize = 2;
 
 /// The integer kernel's instruction sets, in order of preference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -282,8 +287,17 @@ fn typed<B: IntBlock, E: Elem>(
     let (stride, first) = (o.stride, o.first);
     let xq = Q8Rows::quantize(isa, k, x, num_threads)?;
     let out_ptr = OutPtr(o.out.as_mut_ptr());
+    // items of whole panels, then the rows past the last whole one (plain rows
+    // in the panel layout) as an item of their own
+    let whole = if panels { n / PANEL * PANEL } else { n };
+    let items = whole.div_ceil(ITEM_ROWS) + usize::from(whole < n);
     let item = |idx: usize, _: &mut Vec<f32>| {
-        let rows = idx * ITEM_ROWS..((idx + 1) * ITEM_ROWS).min(n);
+        let start = idx * ITEM_ROWS;
+        let rows = if start < whole {
+            start..(start + ITEM_ROWS).min(whole)
+        } else {
+            whole..n
+        };
         let store = |r: usize, j: usize, v: &[[f32; 16]], lanes: usize| {
             assert!(
                 r + v.len() <= m && lanes <= 16 && rows.start + j + lanes <= rows.end,
@@ -304,13 +318,12 @@ fn typed<B: IntBlock, E: Elem>(
         };
         let it = Item {
             w: &w[rows.start * rb..rows.end * rb],
-            after: &w[rows.end * rb..(rows.end + ITEM_ROWS).min(n) * rb],
-            // items are panels; the rows past the last whole one stay plain
-            panel: panels && rows.len() == PANEL,
+            after: &w[rows.end * rb..(rows.end + PANEL).min(n) * rb],
+            panel: panels && rows.end <= whole,
         };
         isa.rows::<B>(it, &xq, &store);
     };
-    team::run_items(n.div_ceil(ITEM_ROWS), num_threads, &item)
+    team::run_items(items, num_threads, &item)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -54,12 +54,13 @@ pub(super) fn rows<P: Panel, B: IntBlock>(it: Item<'_>, xq: &Q8Rows, store: Stor
             &w[ahead]
         };
         if it.panel {
-            assert!(n == PANEL, "a panel is whole");
+            assert!(n % PANEL == 0, "panels are whole");
+            let panel = &w[first_row / PANEL * PANEL * rb..][..PANEL * rb];
             let src = Panels {
-                base: w.as_ptr(),
-                lane: first_row,
+                base: panel.as_ptr(),
+                lane: first_row % PANEL,
             };
-            groups::<P, B, Panels>(src, w, next, xq, lanes, first_row, store);
+            groups::<P, B, Panels>(src, panel, next, xq, lanes, first_row, store);
         } else {
             groups::<P, B, Rows>(Rows(&rows), &[], next, xq, lanes, first_row, store);
         }

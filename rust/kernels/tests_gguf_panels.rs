@@ -61,7 +61,9 @@ fn the_kernel_gives_the_same_bits_on_panels() {
     let k = 256;
     let mut rng = Rng(13);
     for t in INT_TYPES {
-        for n in [5, 32, 37] {
+        // whole panels, and panels then plain rows; items of two panels: one
+        // item, one and a lone panel (48), and both with plain rows after
+        for n in [5, 32, 37, 48, 53] {
             let plain = blocks(t, n, k, &mut rng);
             let mut w = plain.clone();
             pack(t, k, &mut w).unwrap();
