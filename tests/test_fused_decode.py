@@ -82,8 +82,10 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int) -> _Spy
     block = 0
     reqs = []
     for i, prompt in enumerate(prompts):
-        blocks = list(range(block, block + 4))
-        block += 4
+        # four blocks, or as many as the prompt and its decodes fill
+        count = max(4, -(-(len(prompt) + steps) // runner.block_size))
+        blocks = list(range(block, block + count))
+        block += count
         reqs.append(NewRequestData(i, prompt, len(prompt), params, blocks, 0, frozenset()))
     n = {i: len(p) for i, p in enumerate(prompts)}
     runner.execute_model(SchedulerOutput(reqs, {}, n, sum(n.values()))).resolved()

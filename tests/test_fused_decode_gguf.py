@@ -40,7 +40,7 @@ def _runner(gguf: Path, dtype: str, fused: bool, kernel: str = "int") -> ModelRu
         dtype=dtype,
         device="cpu",
         num_kv_blocks=128,
-        max_model_len=256,
+        max_model_len=512,
         fused_decode=fused,
     )
     with pytest.MonkeyPatch.context() as mp:
@@ -90,6 +90,20 @@ def test_gguf_steps_fuse_up_to_the_integer_kernels_rows(smollm2_gguf: Path) -> N
 
 def test_gguf_steps_beyond_the_token_cap_take_the_torch_path(smollm2_gguf: Path) -> None:
     runner = _runner(smollm2_gguf, "float32", True)
-    per = GGUF_MAX_TOKENS // 5 + 1  # five prompts (of four blocks each) over the cap
+    fused = runner.model.fused_decode
+    assert fused is not None and fused.max_tokens == GGUF_MAX_TOKENS
+    fused.max_tokens = 60  # a cap five prompts of four blocks each can pass
+    per = fused.max_tokens // 5 + 1
     prompts = [list(range(3 + i, 3 + i + per)) for i in range(5)]
     assert _generate(runner, prompts, 2).fused_calls == 2  # the decodes only
+
+
+def test_a_gguf_prompt_past_the_layer_buckets_runs_fused(smollm2_gguf: Path) -> None:
+    """A prompt longer than the last row bucket (256) runs in the call, on that
+    bucket's kernels, with the torch path's logits."""
+    fused, plain = _runner(smollm2_gguf, "float32", True), _runner(smollm2_gguf, "float32", False)
+    prompts = [list(range(3 + i, 3 + i + 200)) for i in range(2)]  # 400 tokens
+    assert BUCKETS[-1] < 400 <= GGUF_MAX_TOKENS
+    got, want = _generate(fused, prompts, 2), _generate(plain, prompts, 2)
+    assert got.fused_calls == 3
+    assert_same_logits(got, want, 1e-4)

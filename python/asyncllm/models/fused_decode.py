@@ -66,9 +66,13 @@ MAX_ROWS = 8
 # (its kernels chosen by its decode step's rows, `kernel_rows`) or a prompt that
 # attends token-wise. On the torch path such a step's ~150 kernel calls go through
 # Python one by one, with the torch ops between them: at 16 streams a tenth of a
-# verification step; a quarter of a 110-token SmolLM2 prefill (Zen 5).
+# verification step; a quarter of a 110-token SmolLM2 prefill (Zen 5). Long prompts
+# too: the call took 0.76-0.87x the torch path's time at 512, 1,000 and 2,000
+# tokens (SmolLM2 Q4_1, Zen 5), where a cap of 256 had sent them to the torch path;
+# the cap is SmolLM2's context, twice the default step budget. Beyond the layer
+# buckets' last (256 rows), a step runs that bucket's kernels on either path.
 GGUF_MAX_ROWS = FUSED_MAX_ROWS
-GGUF_MAX_TOKENS = 256
+GGUF_MAX_TOKENS = 8192
 
 
 class FusedDecode:
