@@ -111,7 +111,7 @@ impl QuantIsa {
         isas
     }
 
-    /// One item's weight rows `w` (one panel of the panel layout when `panel`)
+    /// One item's weight rows `w` (whole panels of the panel layout when `panel`)
     /// against every row of `xq`, on this path.
     fn rows<B: IntBlock>(self, w: Item<'_>, xq: &Q8Rows, store: Store<'_>) {
         match self {

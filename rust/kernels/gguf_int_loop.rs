@@ -15,8 +15,8 @@ use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 /// not a row: each is a dynamic call, and converts the lanes to the output's type.
 pub(super) type Store<'a> = &'a dyn Fn(usize, usize, &[[f32; 16]], usize);
 
-/// One work item's weight rows: the item's bytes, the next item's (read ahead),
-/// and whether they are one panel of the panel layout (`gguf_panels`).
+/// One work item's weight rows: the item's bytes, the next item's first panel (read ahead),
+/// and whether they are whole panels of the panel layout (`gguf_panels`).
 #[derive(Clone, Copy)]
 pub(super) struct Item<'a> {
     pub(super) w: &'a [u8],
