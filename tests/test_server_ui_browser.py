@@ -184,21 +184,34 @@ def test_reply_streams_into_the_page(browser):
     assert by_id(browser, "regenerate").is_enabled()
 
 
+def stop_a_reply(browser) -> str:
+    """Sends a long reply, clicks stop once it streams, and gives how it finished."""
+    by_id(browser, "clear").click()  # a reply of 400 tokens leaves no room for more
+    send(browser, "Keep going.", 400, {"ignore_eos": True})  # the context is 512 tokens
+    wait_for(lambda: last_reply(browser).get_attribute("data-state") == "streaming")
+    reply = last_reply(browser)
+    wait_for(lambda: reply.find_element(By.CLASS_NAME, "content").text)
+    by_id(browser, "stop").click()
+    wait_for(lambda: reply.get_attribute("data-state") == "done")
+    return reply.get_attribute("data-finish")
+
+
 def test_stop_aborts_the_request_on_the_server(browser, server):
-    """The model writes ~1,000 tokens/s alone, so other requests share the engine
-    meanwhile (the reply then takes seconds); the server counts the reply aborted.
-    Eight of them, not four: beside four, on a busy 2-CPU CI box, the reply's 400
-    tokens once finished before the browser's click reached the server."""
+    """The model writes ~1,000 tokens/s alone, so eight other streams share the engine
+    meanwhile (the reply then takes a second or more); the server counts the reply
+    aborted. The click still races the reply's end: on a busy 2-CPU CI box the
+    browser's click once reached the server after the 400th token. A reply that ended
+    by its length before the click arrived is no evidence either way, so the test
+    tries again (three times at most); a stop button that never aborts still fails."""
     before = aborted(server)
+    finishes = []
     with load(server, 8, 400):
         wait_for(lambda: running(server) >= 4, 30, 0.1)
-        send(browser, "Keep going.", 400, {"ignore_eos": True})  # the context is 512 tokens
-        wait_for(lambda: last_reply(browser).get_attribute("data-state") == "streaming")
-        reply = last_reply(browser)
-        wait_for(lambda: reply.find_element(By.CLASS_NAME, "content").text)
-        by_id(browser, "stop").click()
-        wait_for(lambda: reply.get_attribute("data-state") == "done")
-        assert reply.get_attribute("data-finish") == "stopped"
+        for _ in range(3):
+            finishes.append(stop_a_reply(browser))
+            if finishes[-1] != "length":
+                break
+        assert finishes[-1] == "stopped", finishes
         assert not by_id(browser, "chat-error").is_displayed()
         wait_for(lambda: aborted(server) == before + 1, 10, 0.1)
     wait_for(lambda: running(server) == 0, 30, 0.1)
