@@ -75,13 +75,15 @@ class DraftBudget:
     def __init__(self, k: int, num_rows: int) -> None:
         self.k = k
         # per batch-size bucket (`_bucket`): decayed sums for the fit
-        # time = t0 + t1 * rows (w, x, y, xx, xy), and the first row counts seen
-        self._sums: dict[int, np.ndarray] = {}
+        # time = t0 + t1 * rows [w, x, y, xx, xy], and the first row counts seen;
+        # plain floats, not arrays: this runs every step, and a numpy scalar's
+        # conversions had cost more than the arithmetic
+        self._sums: dict[int, list[float]] = {}
         self._rows_seen: dict[int, set[int]] = {}
-        # per draft position, over all requests: decayed counts of reached and
-        # accepted; and the same per batch row
-        self._reached = np.full(k, PRIOR_WEIGHT)
-        self._accepted = np.full(k, PRIOR_WEIGHT * PRIOR_RATE)
+        # over all requests and positions: decayed counts of drafts reached and
+        # accepted; per batch row and position, the same
+        self._reached = PRIOR_WEIGHT * k
+        self._accepted = PRIOR_WEIGHT * PRIOR_RATE * k
         self._row_reached = np.zeros((num_rows, k))
         self._row_accepted = np.zeros((num_rows, k))
         self._positions = np.arange(k)
@@ -96,9 +98,13 @@ class DraftBudget:
         """A step of `requests` requests and `rows` tokens took `seconds`
         (forward, sampling, proposal)."""
         bucket = _bucket(requests)
-        sums = self._sums.setdefault(bucket, np.zeros(5))
-        sums *= 1.0 - FORGET
-        sums += (1.0, rows, seconds, rows * rows, rows * seconds)
+        sums = self._sums.get(bucket)
+        if sums is None:
+            sums = self._sums[bucket] = [0.0] * 5
+        keep = 1.0 - FORGET
+        new = (1.0, float(rows), seconds, float(rows * rows), rows * seconds)
+        for i in range(5):
+            sums[i] = sums[i] * keep + new[i]
         seen = self._rows_seen.setdefault(bucket, set())
         if len(seen) < 2:
             seen.add(rows)
@@ -118,8 +124,8 @@ class DraftBudget:
         reached = self._positions < np.minimum(a + 1, d)[:, None]
         took = self._positions < a[:, None]
         decay = (1.0 - FORGET) ** count
-        self._reached = self._reached * decay + reached.sum(axis=0)
-        self._accepted = self._accepted * decay + took.sum(axis=0)
+        self._reached = self._reached * decay + int(np.minimum(a + 1, d).sum())
+        self._accepted = self._accepted * decay + int(a.sum())
         self._row_reached[rows] = self._row_reached[rows] * (1.0 - ROW_FORGET) + reached
         self._row_accepted[rows] = self._row_accepted[rows] * (1.0 - ROW_FORGET) + took
 
@@ -129,7 +135,7 @@ class DraftBudget:
         bucket = _bucket(requests)
         if len(self._rows_seen.get(bucket, ())) < 2:
             return None
-        w, x, y, xx, xy = (float(v) for v in self._sums[bucket])
+        w, x, y, xx, xy = self._sums[bucket]
         var = w * xx - x * x
         if var <= 1e-9 * max(w * xx, 1e-30):
             return None
@@ -141,12 +147,11 @@ class DraftBudget:
         """The most drafts each request at batch rows `proposing` may verify in
         a step of `num_rows` requests."""
         n = len(proposing)
-        full = np.full(n, self.k, dtype=np.int64)
         fit = self.cost(num_rows)
         if n == 0 or fit is None:
-            return full
+            return np.full(n, self.k, dtype=np.int64)
         t0, t1 = fit
-        overall = float(self._accepted.sum() / max(float(self._reached.sum()), 1e-9))
+        overall = self._accepted / max(self._reached, 1e-9)
         # P(position j accepted | the ones before it were): the request's own
         # counts at j, with its rate over all positions as the prior (so a
         # request whose drafts were all accepted expects the same of positions
@@ -156,7 +161,7 @@ class DraftBudget:
         caps = _core._draft_caps(
             self._row_accepted,
             self._row_reached,
-            np.ascontiguousarray(proposing, dtype=np.int64),
+            proposing,
             overall,
             ROW_PRIOR_WEIGHT,
             t0,

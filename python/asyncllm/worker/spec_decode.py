@@ -29,6 +29,8 @@ logprobs are not given drafts: they decode one token per step as before.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from asyncllm import _core
@@ -181,35 +183,49 @@ class SpecDecoder:
         drafts of those that got any (at most `room` each: what the model's
         length leaves)."""
         keep = self.eligible[rows]
-        if not keep.any():
+        if keep.all():  # the usual case: no fancy indexing
+            idx, prows, new = None, rows, tokens
+        elif keep.any():
+            idx = np.flatnonzero(keep)
+            prows = rows[idx]
+            new = [tokens[i] for i in idx.tolist()]
+            num_drafts, num_accepted, room = num_drafts[idx], num_accepted[idx], room[idx]
+        else:
             return {}
-        idx = np.flatnonzero(keep)
-        cap = self.k if self.budget is None else self.budget.caps(len(rows), rows[idx])
-        max_drafts = np.clip(room[idx], 0, cap).astype(np.int64)
+        prows = np.ascontiguousarray(prows, dtype=np.int64)
+        cap = self.k if self.budget is None else self.budget.caps(len(rows), prows)
+        max_drafts = np.minimum(np.maximum(room, 0), cap).astype(np.int64, copy=False)
         if self.draft is not None:
-            proposed = self.draft.propose(ib, rows[idx], max_drafts)
-            return {req_ids[j]: d for j, d in zip(idx.tolist(), proposed, strict=True) if d}
+            proposed = self.draft.propose(ib, prows, max_drafts)
+            return {rid: d for rid, d in zip(_pick(req_ids, idx), proposed, strict=True) if d}
         assert self.proposer is not None
-        new = [tokens[i] for i in idx.tolist()]
-        lens = np.fromiter((len(t) for t in new), dtype=np.int64, count=len(new))
-        offsets = np.zeros(len(new) + 1, dtype=np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        flat = np.fromiter((t for ts in new for t in ts), dtype=np.int32, count=int(offsets[-1]))
+        offsets = np.fromiter(
+            itertools.accumulate((len(t) for t in new), initial=0),
+            dtype=np.int64,
+            count=len(new) + 1,
+        )
+        total = int(offsets[-1])
+        flat = np.fromiter(itertools.chain.from_iterable(new), dtype=np.int32, count=total)
         counts, drafts = self.proposer.step(
-            rows[idx].astype(np.int64),
+            prows,
             offsets,
             flat,
-            num_drafts[idx].astype(np.int64),
-            num_accepted[idx].astype(np.int64),
+            num_drafts.astype(np.int64, copy=False),
+            num_accepted.astype(np.int64, copy=False),
             max_drafts,
         )
         out: dict[int, list[int]] = {}
         pos = 0
-        for j, c in zip(idx.tolist(), counts, strict=True):
+        for rid, c in zip(_pick(req_ids, idx), counts, strict=True):
             if c:
-                out[req_ids[j]] = drafts[pos : pos + c]
+                out[rid] = drafts[pos : pos + c]
                 pos += c
         return out
+
+
+def _pick(items: list[int], idx: np.ndarray | None) -> list[int]:
+    """`items` at `idx`, or all of them where `idx` is None."""
+    return items if idx is None else [items[i] for i in idx.tolist()]
 
 
 def spec_logprobs(
