@@ -57,11 +57,14 @@ def test_a_memory_bound_step_verifies_every_draft() -> None:
 def test_a_compute_bound_step_verifies_none_but_explores() -> None:
     """Each row costing the same (int8 kernels on AVX2 at 16 streams) and half the
     drafts rejected: no drafts, except every EXPLORE_EVERY-th step, which
-    proposes about k drafts in all (one each for 16 requests, the full k for one)
-    so the estimates stay current."""
+    proposes about k drafts in all (one each for k of 16 requests, the next k
+    the next time; the full k for one) so the estimates stay current."""
     b = _budget(4, t0=0.0, t1=0.001, accept=0.5)
     caps = [b.caps(16, ALL).tolist() for _ in range(EXPLORE_EVERY)]
-    assert caps[:-1] == [[0] * 16] * (EXPLORE_EVERY - 1) and caps[-1] == [1] * 16
+    assert caps[:-1] == [[0] * 16] * (EXPLORE_EVERY - 1)
+    assert caps[-1] == [1] * 4 + [0] * 12
+    explored = [b.caps(16, ALL) for _ in range(EXPLORE_EVERY)]
+    assert explored[-1].tolist() == [0] * 4 + [1] * 4 + [0] * 8
     caps = [b.caps(16, ALL[:2]).tolist() for _ in range(EXPLORE_EVERY)]
     assert caps[-1] == [2, 2]
     caps = [b.caps(16, ALL[:1]).tolist() for _ in range(EXPLORE_EVERY)]
