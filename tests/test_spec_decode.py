@@ -462,6 +462,56 @@ def test_gguf_verifications_of_several_requests_run_fused(
     assert max(tokens) > GGUF_MAX_ROWS, "no verification of several requests ran fused"
 
 
+def test_gguf_steps_mixing_verifications_and_prompts_run_fused(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small token budget splits later prompts over several steps while the first
+    requests already verify drafts: those steps bring verifications and prompt
+    chunks at once, and run in the fused call like every other step (they had
+    taken the torch path whole), with the greedy tokens of decoding without
+    speculation."""
+    import asyncllm.worker.model_runner as model_runner
+    from asyncllm.models.fused_decode import FusedDecode
+
+    declined: list[int] = []
+    applies = FusedDecode.applies
+
+    def counting_applies(self: FusedDecode, meta: Any, kv_caches: Any) -> bool:
+        ok = applies(self, meta, kv_caches)
+        if not ok:
+            declined.append(meta.num_tokens)
+        return ok
+
+    mixed = []
+    gather = model_runner.gather_step_inputs
+
+    def spying_gather(ib: Any, so: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = so.spec_token_ids
+        prompts = [r for r, n in so.num_scheduled_tokens.items() if n > 1 and r not in spec]
+        mixed.append(bool(spec) and bool(prompts))
+        return gather(ib, so, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecode, "applies", counting_applies)
+    monkeypatch.setattr(model_runner, "gather_step_inputs", spying_gather)
+    chats = [[{"role": "user", "content": c}] for c in SMOLLM2_CHATS]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, **FIXED}
+    outs = []
+    for method in (None, spec):
+        mixed.clear()
+        with LLM(
+            model=str(smollm2_gguf),
+            max_model_len=512,
+            max_num_batched_tokens=48,
+            speculative_config=method,
+            multiprocess=False,
+        ) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)])
+    assert any(mixed), "no step mixed verifications with prompt chunks"
+    assert declined == []
+    assert outs[0] == outs[1]
+
+
 def test_suffix_drafts_an_answer_other_requests_gave() -> None:
     """SuffixDecoding's shared trie: a request whose answer repeats earlier
     requests' drafts it from their outputs from its first tokens on, which its

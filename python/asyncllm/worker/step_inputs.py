@@ -95,9 +95,16 @@ def gather_step_inputs(
     elif nd is not None:
         dec = int(np.count_nonzero(q == 1))
         num_spec = int(np.count_nonzero(nd))
-        end = dec + int(q[dec : dec + num_spec].sum())
-        _set_token_wise(meta, tables, q, pos, dec, end, device)
-        meta.token_wise_spans = num_spec
+        if num_spec < n - dec and prompt_runs and total * max_nb <= MAX_TOKEN_TABLE:
+            # prompts beside the verifications: every span token-wise, as
+            # `prompt_runs` has them without drafts, so the step stays one
+            # fused call where the model has one (a step that mixed both had
+            # taken the torch path whole)
+            _set_token_wise(meta, tables, q, pos, dec, total, device)
+        else:
+            end = dec + int(q[dec : dec + num_spec].sum())
+            _set_token_wise(meta, tables, q, pos, dec, end, device)
+            meta.token_wise_spans = num_spec
     elif prompt_runs and total > n and total * max_nb <= MAX_TOKEN_TABLE:
         dec = int(np.count_nonzero(q == 1))
         _set_token_wise(meta, tables, q, pos, dec, total, device)
