@@ -182,10 +182,10 @@ class DraftBudget:
             if n <= self.k:
                 return np.full(n, self.k // n, dtype=np.int64)
             # one draft each for k of them, the next k at the next exploration
-            caps = np.zeros(n, dtype=np.int64)
-            caps[(self._explored + np.arange(self.k)) % n] = 1
+            some = np.zeros(n, dtype=np.int64)
+            some[(self._explored + np.arange(self.k)) % n] = 1
             self._explored = (self._explored + self.k) % n
-            return caps
+            return some
         return np.zeros(n, dtype=np.int64)
 
 
