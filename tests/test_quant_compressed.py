@@ -106,9 +106,12 @@ def _vllm_input_quant(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -
 # every scheme's weights are checked above; the engine end to end on one of each kind
 @pytest.mark.parametrize("name", ["w8a8", "w4a16_g32_asym", "w4a16_g128_sym"])
 def test_greedy_and_logprobs_equal_transformers_on_the_dequantized_weights(
-    checkpoints: dict[str, tuple[Path, Path]], name: str
+    checkpoints: dict[str, tuple[Path, Path]], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tokens equal; every prompt token's logprob equal to float rounding."""
+    """The reference path (weight-only layers as GGUF blocks round x to int8 on
+    the integer kernel: test_quant_as_gguf.py): tokens equal; every prompt
+    token's logprob equal to float rounding."""
+    monkeypatch.setenv("ASYNCLLM_QUANT_KERNEL", "reference")
     from transformers import AutoModelForCausalLM
 
     compressed, reference = checkpoints[name]
@@ -134,11 +137,13 @@ def test_greedy_and_logprobs_equal_transformers_on_the_dequantized_weights(
 
 
 def test_two_ranks_hold_whole_groups_and_give_one_ranks_tokens(
-    checkpoints: dict[str, tuple[Path, Path]],
+    checkpoints: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tensor parallelism over a W4A16 checkpoint (asymmetric, groups of 32): each
     rank keeps its rows or whole groups of its input columns, with their scales and
-    zero points; the tokens are one rank's."""
+    zero points; the tokens are one rank's (both on the reference path: row-parallel
+    slices stay there)."""
+    monkeypatch.setenv("ASYNCLLM_QUANT_KERNEL", "reference")
     compressed, _ = checkpoints["w4a16_g32_asym"]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]

@@ -106,6 +106,14 @@ def gguf_kernel() -> str:
     return os.environ.get("ASYNCLLM_GGUF_KERNEL", "").strip().lower() or "auto"
 
 
+def quant_kernel() -> str:
+    """ASYNCLLM_QUANT_KERNEL (default "auto"): "auto" runs the int8 and int4
+    checkpoint layers that have an exact GGUF form on the GGUF kernels (on the
+    CPU, asyncllm.models.quant.as_gguf); "reference" keeps every one on its
+    checked reference path (`QuantLinear`). Checked by the model runner."""
+    return os.environ.get("ASYNCLLM_QUANT_KERNEL", "").strip().lower() or "auto"
+
+
 def batch_invariant() -> bool:
     """ASYNCLLM_BATCH_INVARIANT (default off; vLLM's VLLM_BATCH_INVARIANT): the
     default of `EngineArgs.batch_invariant`."""

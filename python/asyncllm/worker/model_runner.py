@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.core.scheduler_output import SchedulerOutput
 from asyncllm.lora.model import LoRAModel
@@ -31,6 +32,7 @@ from asyncllm.models import kernel_rows
 from asyncllm.models.fused_decode import FusedDecode, unsupported
 from asyncllm.models.loader import load_model
 from asyncllm.models.native_ops import use_native_ops
+from asyncllm.models.quant.as_gguf import as_gguf_linears
 from asyncllm.structured_output.rows import GrammarRows, StepMasks
 from asyncllm.tracing import StepRecorder, phase
 from asyncllm.worker.gguf_select import select_gguf_kernels
@@ -99,6 +101,11 @@ class ModelRunner:
         self.model = load_model(
             config.model, hf_config, config.torch_dtype, self.device, config.quantization
         )
+        quant_kernel = envs.quant_kernel()
+        if quant_kernel not in ("auto", "reference"):
+            raise ValueError("ASYNCLLM_QUANT_KERNEL must be 'auto' or 'reference'")
+        if quant_kernel == "auto" and self.device.type == "cpu" and tp is None:
+            as_gguf_linears(self.model)  # int8 / int4 layers onto the GGUF kernels
         self.linear_kernels = select_linear_kernels(
             self.model,
             mode=config.linear_kernel,
