@@ -55,7 +55,6 @@ def test_zero_points_and_float32_scales_move_weights_by_f16_rounding() -> None:
 def test_layers_without_an_exact_form_stay_and_say_why() -> None:
     q8 = torch.zeros(16, 64, dtype=torch.int8)
     cases = {
-        "W8A8": QuantLinear(q8, 8, torch.ones(16, 1), None, 64, act_quant=True),
         "zero points": QuantLinear(
             q8, 8, torch.ones(16, 1), torch.zeros(16, 1, dtype=torch.int8), 64
         ),
@@ -130,4 +129,35 @@ def test_decode_runs_fused_on_the_integer_kernel_close_to_the_reference(
     assert calls, "no step ran fused"
     _, ref_logprobs, _ = _run(monkeypatch, "reference", method)
     for got, want in zip(logprobs, ref_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0.15)
+
+
+@pytest.mark.parametrize("name", ["w8a8", "w4a16_g32_asym", "w8a16"])
+def test_compressed_checkpoints_run_the_gguf_kernels_close_to_the_reference(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """llm-compressor's checkpoints (float32 scales, rounded to f16; W8A8's inputs
+    then round per 16 values, not per token): GGUF layers, prompt logprobs within
+    the integer kernel's rounding of the reference path's (vLLM's arithmetic)."""
+    pytest.importorskip("compressed_tensors")
+    from quant_checkpoints import write_compressed
+
+    compressed, _ = write_compressed(tmp_path / name, name)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    results = []
+    for quant in ("auto", "reference"):
+        monkeypatch.setenv("ASYNCLLM_QUANT_KERNEL", quant)
+        with LLM(
+            model=str(compressed), dtype="float32", max_model_len=256, multiprocess=False
+        ) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            layers = list(llm.engine.core.runner.model.modules())
+        assert any(type(m) is GGUFLinear for m in layers) == (quant == "auto")
+        results.append(
+            [
+                [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:], strict=True)]
+                for o, p in zip(outs, PROMPTS, strict=True)
+            ]
+        )
+    for got, want in zip(*results, strict=True):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0.15)

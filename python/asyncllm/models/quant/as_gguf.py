@@ -6,7 +6,7 @@ A `QuantLinear` keeps `w = (q - zero) * scale` per group of inputs; GGUF's block
 keep 32 inputs each with an f16 scale, so a group of a multiple of 32 inputs is
 that many blocks sharing its scale:
 
-    int8, symmetric        Q8_0: d = scale, the int8 q as they are
+    int8, symmetric        Q8_0: d = scale, the int8 q as they are (W8A8 too)
     int4, symmetric        Q4_0: d = scale, nibble u = q + 8 (w = d * (u - 8))
     int4, zero points      Q4_1: d = scale, m = -scale * (8 + zero) (w = d * u + m)
 
@@ -16,12 +16,14 @@ their weights are exact; float32 scales are rounded to f16 (a weight moves by at
 most 2^-10 of itself, far inside its int4 or int8 rounding), and Q4_1's offset m
 too (~1 % of a quantization step at most). Layers that do not fit stay
 `QuantLinear` (the checked reference of these kernels, and every layer's with
-ASYNCLLM_QUANT_KERNEL=reference): int8 with zero points, dynamic int8 activations
-(W8A8, whose per-token arithmetic vLLM defines), groups that are no multiple of 32,
-scales beyond f16's range, row-parallel slices.
+ASYNCLLM_QUANT_KERNEL=reference): int8 with zero points, groups that are no
+multiple of 32, scales beyond f16's range, row-parallel slices.
 
 The kernels differ from the reference as a GGUF model's do from dequantize + fp32:
-the integer kernel rounds x to int8 per 16 inputs (`models.gguf.layers`).
+the integer kernel rounds x to int8 per 16 inputs (`models.gguf.layers`), the tiled
+ones keep x in float. For W8A8 layers that replaces vLLM's per-token int8 inputs
+(one scale a row: `QuantLinear`'s arithmetic) by finer ones, so their results lie
+closer to the float weights' than vLLM's do; the reference keeps vLLM's.
 """
 
 from __future__ import annotations
@@ -46,8 +48,6 @@ def why_not(layer: QuantLinear) -> str | None:
     """Why `layer`'s weight has no exact GGUF form, or None when it has one."""
     if type(layer) is not QuantLinear:
         return f"a {type(layer).__name__} (a row-parallel slice)"
-    if layer.act_quant:
-        return "dynamic int8 activations (W8A8)"
     if layer.bits == 8 and layer.zeros is not None:
         return "int8 with zero points"
     if layer.group_size % BLOCK:
