@@ -89,25 +89,7 @@ def gather_step_inputs(
     tables = ib.block_table[rows, :max_nb]
     prompt_lens = ib.num_prompt_tokens[rows] if pass_prompt_lens else None
     meta = build_attention_metadata(q, ctx, tables, slots, bs, device, prompt_lens)
-    if token_wise and total > n:
-        dec = int(np.count_nonzero(q == 1))  # decodes come first, one token each
-        _set_token_wise(meta, tables, q, pos, dec, total, device)
-    elif nd is not None:
-        dec = int(np.count_nonzero(q == 1))
-        num_spec = int(np.count_nonzero(nd))
-        if num_spec < n - dec and prompt_runs and total * max_nb <= MAX_TOKEN_TABLE:
-            # prompts beside the verifications: every span token-wise, as
-            # `prompt_runs` has them without drafts, so the step stays one
-            # fused call where the model has one (a step that mixed both had
-            # taken the torch path whole)
-            _set_token_wise(meta, tables, q, pos, dec, total, device)
-        else:
-            end = dec + int(q[dec : dec + num_spec].sum())
-            _set_token_wise(meta, tables, q, pos, dec, end, device)
-            meta.token_wise_spans = num_spec
-    elif prompt_runs and total > n and total * max_nb <= MAX_TOKEN_TABLE:
-        dec = int(np.count_nonzero(q == 1))
-        _set_token_wise(meta, tables, q, pos, dec, total, device)
+    _set_token_wise_spans(meta, tables, q, pos, nd, token_wise, prompt_runs, device)
     known = ib.num_tokens[rows] if nd is None else ib.num_tokens[rows] + nd
     return StepInputs(
         req_ids=req_ids,
@@ -130,6 +112,41 @@ def gather_step_inputs(
 # The most block-table entries (tokens x blocks of the longest request) a step's
 # prompts attend token-wise with when only `prompt_runs` asks (2 MiB of int64).
 MAX_TOKEN_TABLE = 1 << 18
+
+
+def _set_token_wise_spans(
+    meta: AttentionMetadata,
+    tables: np.ndarray,
+    q: np.ndarray,
+    pos: np.ndarray,
+    nd: np.ndarray | None,
+    token_wise: bool,
+    prompt_runs: bool,
+    device: torch.device,
+) -> None:
+    """Which of the step's spans (after its decodes) attend token-wise: all of them
+    in batch-invariant mode (`token_wise`); the verifications of drafts (`nd`), and
+    the prompts beside them where `prompt_runs` takes prompts; with `prompt_runs`
+    alone, the prompts (see `gather_step_inputs`)."""
+    n, total = len(q), int(pos.shape[0])
+    dec = int(np.count_nonzero(q == 1))  # decodes come first, one token each
+    small = total * tables.shape[1] <= MAX_TOKEN_TABLE
+    if token_wise and total > n:
+        _set_token_wise(meta, tables, q, pos, dec, total, device)
+    elif nd is not None:
+        num_spec = int(np.count_nonzero(nd))
+        if num_spec < n - dec and prompt_runs and small:
+            # prompts beside the verifications: every span token-wise, as
+            # `prompt_runs` has them without drafts, so the step stays one
+            # fused call where the model has one (a step that mixed both had
+            # taken the torch path whole)
+            _set_token_wise(meta, tables, q, pos, dec, total, device)
+        else:
+            end = dec + int(q[dec : dec + num_spec].sum())
+            _set_token_wise(meta, tables, q, pos, dec, end, device)
+            meta.token_wise_spans = num_spec
+    elif prompt_runs and total > n and small:
+        _set_token_wise(meta, tables, q, pos, dec, total, device)
 
 
 def _num_drafts(req_ids: list[int], spec: dict[int, list[int]]) -> np.ndarray:
