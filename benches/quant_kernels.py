@@ -4,7 +4,9 @@ For each shape ([out, in]) and block type, a ring of distinct weights totalling 
 the last-level cache (at least 256 MiB, at most 1 GiB; 8 MiB with --quick) is visited in turn, as a
 decode step visits its layers, so every call reads its weight from memory. Per row
 count and kernel (`GGUFLinear.run`: int and float up to 16 rows, int, tiles and
-tiles_bf16 beyond; tiles at one row are slower by construction): the time per
+tiles_bf16 beyond; tiles at one row are slower by construction; and up to 16 rows
+`int (call)`, the extension's integer kernel called directly, as the fused decode
+step calls it for each projection, without the Python layer's ~10 µs): the time per
 matrix, the median of `rounds` passes, kernels alternating pass by pass; beside it
 the memory bound (the matrix's block bytes / the DRAM read bandwidth, measured in
 the same loop by the extension's vector sum) and the fastest bf16 GEMM on the same
@@ -108,21 +110,28 @@ def kernel_rows(
             ring = [GGUFLinear([(qtype, one.clone())], k, None) for _ in range(total // nbytes)]
             for layer in ring:
                 layer.pack_panels()  # as the loader lays them out
+            raws = [layer.part0.numpy() for layer in ring]
             for rows in rows_list:
                 x = torch.randn(rows, k)
-                names = (
-                    ["int", "float"] if rows <= FUSED_MAX_ROWS else ["int", "tiles", "tiles_bf16"]
-                )
+                runs = {
+                    name: (lambda layer, name=name, x=x: layer.run(name, x), ring)
+                    for name in (
+                        ["int", "float"]
+                        if rows <= FUSED_MAX_ROWS
+                        else ["int", "tiles", "tiles_bf16"]
+                    )
+                }
+                if rows <= FUSED_MAX_ROWS:
+                    runs["int (call)"] = (_int_call(qtype, x, n), raws)
+                names = list(runs)
                 times: dict[str, list[float]] = {name: [] for name in names}
                 bws = []
                 with torch.inference_mode():
-                    for name in names:
-                        _pass(lambda layer, name=name, x=x: layer.run(name, x), ring[:2])
+                    for fn, items in runs.values():
+                        _pass(fn, items[:2])
                     for _ in range(rounds):
-                        for name in names:
-                            times[name].append(
-                                _pass(lambda layer, name=name, x=x: layer.run(name, x), ring)
-                            )
+                        for name, (fn, items) in runs.items():
+                            times[name].append(_pass(fn, items))
                         bws.append(_bandwidth(flat))
                 bound = nbytes / median(bws)
                 for name in names:
@@ -143,6 +152,19 @@ def kernel_rows(
                     print_row(row)
             del ring
     return out
+
+
+def _int_call(qtype: str, x: torch.Tensor, n: int):  # type: ignore[no-untyped-def]
+    """The integer kernel called as the fused decode step calls it, once per
+    projection from the extension with its buffers ready: the Python layer's
+    per-call work (`GGUFLinear.run`: the output tensor, views, dtype checks; ~10 µs)
+    left out."""
+    xn, out, threads = (
+        x.float().contiguous().numpy(),
+        np.empty((x.shape[0], n), np.float32),
+        (torch.get_num_threads()),
+    )
+    return lambda raw: _core._gguf_linear_int(qtype, out, xn, raw, threads, panels=True)
 
 
 def print_header(total: int) -> None:
