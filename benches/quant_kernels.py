@@ -159,11 +159,8 @@ def _int_call(qtype: str, x: torch.Tensor, n: int):  # type: ignore[no-untyped-d
     projection from the extension with its buffers ready: the Python layer's
     per-call work (`GGUFLinear.run`: the output tensor, views, dtype checks; ~10 µs)
     left out."""
-    xn, out, threads = (
-        x.float().contiguous().numpy(),
-        np.empty((x.shape[0], n), np.float32),
-        (torch.get_num_threads()),
-    )
+    xn = x.float().contiguous().numpy()
+    out, threads = np.empty((x.shape[0], n), np.float32), torch.get_num_threads()
     return lambda raw: _core._gguf_linear_int(qtype, out, xn, raw, threads, panels=True)
 
 

@@ -51,3 +51,19 @@ def scheduling_mode(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ASYNCLLM_ASYNC_SCHEDULING", "1" if request.param else "0")
         yield request.param
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token count of every fused decode call of the test (the list fills)."""
+    from asyncllm.models.fused_decode import FusedDecode
+
+    tokens: list[int] = []
+    original = FusedDecode.__call__
+
+    def counting(self, hidden, positions, meta):  # type: ignore[no-untyped-def]
+        tokens.append(meta.num_tokens)
+        return original(self, hidden, positions, meta)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    return tokens

@@ -108,25 +108,15 @@ def test_on_the_float_kernel_the_engine_equals_the_reference(
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_decode_runs_fused_on_the_integer_kernel_close_to_the_reference(
-    monkeypatch: pytest.MonkeyPatch, method: str
+    monkeypatch: pytest.MonkeyPatch, fused_calls: list[int], method: str
 ) -> None:
     """The default: every decoder projection a GGUFLinear, decode steps in the fused
     call, prompt logprobs within the integer kernel's rounding of x (int8 per 16
     inputs) of the reference path's."""
-    from asyncllm.models.fused_decode import FusedDecode
-
-    calls: list[int] = []
-    original = FusedDecode.__call__
-
-    def counting(self: FusedDecode, hidden: Any, positions: Any, meta: Any) -> Any:
-        calls.append(meta.num_tokens)
-        return original(self, hidden, positions, meta)
-
-    monkeypatch.setattr(FusedDecode, "__call__", counting)
     _, logprobs, model = _run(monkeypatch, "auto", method)
     projections = [m for p, m in model.named_modules() if p.startswith("layers.") and "proj" in p]
     assert projections and all(type(m) is GGUFLinear for m in projections)
-    assert calls, "no step ran fused"
+    assert fused_calls, "no step ran fused"
     _, ref_logprobs, _ = _run(monkeypatch, "reference", method)
     for got, want in zip(logprobs, ref_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0.15)

@@ -399,28 +399,13 @@ def test_metrics_carry_vllm_names() -> None:
     assert f'{per_pos}{{engine="0",model_name="m",position="2"}} 0.0' in text
 
 
-def _fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The token count of every fused decode call from now on (the list fills)."""
-    from asyncllm.models.fused_decode import FusedDecode
-
-    tokens: list[int] = []
-    original = FusedDecode.__call__
-
-    def counting(self: FusedDecode, hidden: Any, positions: Any, meta: Any) -> Any:
-        tokens.append(meta.num_tokens)
-        return original(self, hidden, positions, meta)
-
-    monkeypatch.setattr(FusedDecode, "__call__", counting)
-    return tokens
-
-
-def test_verification_runs_fused_and_equals_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verification_runs_fused_and_equals_plain_decoding(fused_calls: list[int]) -> None:
     """At batch 1 a plain decode step runs fused (one extension call for every
     layer); a verification step (the last token and its drafts, each attending as
     a decode) runs fused too, with the same kernels and one reduction order per
     row (linear_kernel="rust": the LM head too), so greedy tokens are identical
     to decoding without speculation, not just close."""
-    rows = _fused_calls(monkeypatch)
+    rows = fused_calls
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     outs = {}
     for spec in (None, NGRAM):
@@ -436,7 +421,7 @@ def test_verification_runs_fused_and_equals_plain_decoding(monkeypatch: pytest.M
 
 
 def test_gguf_verifications_of_several_requests_run_fused(
-    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_gguf: Path, fused_calls: list[int]
 ) -> None:
     """A verification of several requests brings more tokens than a decode step of
     GGUF_MAX_ROWS rows, but chooses its kernels by its requests (the integer
@@ -445,7 +430,7 @@ def test_gguf_verifications_of_several_requests_run_fused(
     rows do not depend on each other)."""
     from asyncllm.models.fused_decode import GGUF_MAX_ROWS
 
-    tokens = _fused_calls(monkeypatch)
+    tokens = fused_calls
     chats = [[{"role": "user", "content": c}] for c in SMOLLM2_CHATS[:5]]
     params = SamplingParams(max_tokens=32, temperature=0)
     spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, **FIXED}

@@ -124,10 +124,11 @@ class DraftBudget:
         d, a, rows = num_drafts[drafted], num_accepted[drafted], rows[drafted]
         # position j was reached by a request with min(a + 1, d) > j, and
         # accepted by one with a > j
-        reached = self._positions < np.minimum(a + 1, d)[:, None]
+        hit = np.minimum(a + 1, d)
+        reached = self._positions < hit[:, None]
         took = self._positions < a[:, None]
         decay = (1.0 - FORGET) ** count
-        self._reached = self._reached * decay + int(np.minimum(a + 1, d).sum())
+        self._reached = self._reached * decay + int(hit.sum())
         self._accepted = self._accepted * decay + int(a.sum())
         self._row_reached[rows] = self._row_reached[rows] * (1.0 - ROW_FORGET) + reached
         self._row_accepted[rows] = self._row_accepted[rows] * (1.0 - ROW_FORGET) + took

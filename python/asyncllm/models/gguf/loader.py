@@ -108,8 +108,7 @@ def _quantized_linears(
                 f"GGUF tensors {', '.join(srcs)} have {layer.out_features} rows, the config "
                 f"implies {module.out_features}"
             )
-        parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, layer)
+        model.set_submodule(path, layer)
         done |= {f"{path}.weight", f"{path}.bias"}
     return done
 

@@ -101,8 +101,7 @@ def as_gguf_linears(model: nn.Module) -> int:
         bias = None if module.bias is None else module.bias.detach()
         layer = GGUFLinear([(qtype, raw)], module.in_features, bias)
         layer.pack_panels()
-        parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+        model.set_submodule(path, layer)
         if getattr(model, "logits_head", None) is module:
             layer.out_dtype = torch.float32  # as a GGUF model's head: the logits as computed
             model.logits_head = layer

@@ -155,7 +155,6 @@ def _swap(model: nn.Module, path: str, old: nn.Module, layer: QuantLinear) -> No
             f"the config implies [{old.out_features}, {old.in_features}]"
         )
     layer.bias = old.bias  # type: ignore[assignment]  # (an nn.Linear's Parameter or None)
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    model.set_submodule(path, layer)
     if path == "lm_head":
         model.logits_head = layer
