@@ -12,7 +12,7 @@ Q4_K_M (llama.cpp's quantizer) against the same weights in bf16, tokens/s only
 
     python benches/bench_quant.py [--parts kernels smollm2 llama1b] [--kernel-rows 1 64]
         [--shapes 2048x5632 ...] [--types Q4_1 ...] [--one-thread] [--rounds 3]
-        [--tokens 64] [--streams 64] [--quick]
+        [--tokens 64] [--streams 64] [--gguf-dtype auto|float32|bfloat16] [--quick]
         [--setups gguf,gguf-bf16,bf16,int8,int4,ct-w8a8,ct-w4a16]
 
 Reported, for each SmolLM2 setup:
@@ -30,7 +30,10 @@ The issue's targets: RSS <= 1.3x the file size plus the KV cache; GGUF no slower
 bf16 at batch 1 and 64 streams; load <= 3 s. For llama1b (the same tokens/s rows,
 distinct 32-token prompts, the four engines alternating; `--quick`: a 2-layer model
 of hidden 256, only bf16 and Q4_K_M started): batch 1 >= 1.8x bf16 for Q8_0 and
->= 3x for the 4-bit files, `--streams` >= 1.0x.
+>= 3x for the 4-bit files, `--streams` >= 1.0x. Its GGUF engines run as `LLM(path)`
+does by default (`--gguf-dtype auto`: bf16 activations where the CPU has bf16 dot
+instructions); `--gguf-dtype float32` keeps float32 activations, as the runs before
+Dec 5 10:40 UTC did.
 """
 
 from __future__ import annotations
@@ -150,38 +153,44 @@ def kv_bytes(folder: Path, num_blocks: int, itemsize: int) -> int:
     return int(num_blocks * BLOCK_SIZE * per_token)
 
 
-def decode_rates(llm: LLM, prompts: list[Any], tokens: int, streams: int) -> dict[str, float]:
-    """Output tokens/s: batch 1 and `streams` requests, greedy and sampled. `prompts`
-    are chats (lists of messages) or the engine's prompts ({"prompt_token_ids": ...})."""
+ROWS = ("greedy", "sampled")
+
+
+def decode_rate(llm: LLM, prompts: list[Any], tokens: int, kind: str, n: int) -> float:
+    """Output tokens/s of `n` requests, greedy or sampled. `prompts` are chats (lists
+    of messages) or the engine's prompts ({"prompt_token_ids": ...})."""
     submit = llm.chat if isinstance(prompts[0], list) else llm.generate
-    rates = {}
-    for kind in ("greedy", "sampled"):
-        for n in (1, streams):
-            params = [
-                SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
-                if kind == "greedy"
-                else SamplingParams(
-                    max_tokens=tokens, ignore_eos=True, temperature=1.0, top_p=0.95, seed=i
-                )
-                for i in range(n)
-            ]
-            batch = [prompts[i % len(prompts)] for i in range(n)]
-            t0 = time.perf_counter()
-            outs = submit(batch, params, use_tqdm=False)
-            elapsed = time.perf_counter() - t0
-            rates[f"{kind} x{n}"] = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-    return rates
+    params = [
+        SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+        if kind == "greedy"
+        else SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, top_p=0.95, seed=i)
+        for i in range(n)
+    ]
+    batch = [prompts[i % len(prompts)] for i in range(n)]
+    t0 = time.perf_counter()
+    outs = submit(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
 def alternate_rates(
     engines: dict[str, LLM], prompts: list[Any], args: argparse.Namespace
 ) -> dict[str, list[dict[str, float]]]:
-    """`decode_rates` of every engine, round by round (the engines alternate, so a
-    noisy moment hits them all), then the engines shut down."""
+    """Each engine's tokens/s at batch 1 and `--streams`, greedy and sampled, row by
+    row: every engine runs a row before any runs the next, in reversed order every
+    other round, so the rates a ratio compares are taken seconds apart (this host's
+    speed moves by up to 1.3x within a minute; with each engine running all four
+    rows in turn, one engine's greedy and sampled batch-1 rates had differed by 1.3x
+    in one round). Then the engines shut down."""
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, llm in engines.items():
-            runs[name].append(decode_rates(llm, prompts, args.tokens, args.streams))
+    for r in range(args.rounds):
+        for rates in runs.values():
+            rates.append({})
+        order = list(engines.items())[:: -1 if r % 2 else 1]
+        for kind in ROWS:
+            for n in (1, args.streams):
+                for name, llm in order:
+                    runs[name][r][f"{kind} x{n}"] = decode_rate(llm, prompts, args.tokens, kind, n)
     for llm in engines.values():
         llm.shutdown()
     return runs
@@ -276,6 +285,13 @@ def main() -> None:
     ap.add_argument(
         "--one-thread", action="store_true", help="kernels on one thread, in thread CPU time"
     )
+    ap.add_argument(
+        "--gguf-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="llama1b's GGUF engines' activations (auto: the engine's default, bfloat16 "
+        "on a CPU with bf16 dot instructions, else float32)",
+    )
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     if args.quick:  # one setup per loader: the GGUF, --quantization, compressed-tensors
@@ -330,11 +346,12 @@ def llama1b(args: argparse.Namespace) -> None:
     ]
     max_model_len = prompt_len + args.tokens
     num_blocks = args.streams * -(-max_model_len // BLOCK_SIZE) + 8
+    # the GGUF engines as a user gets them (dtype auto) unless --gguf-dtype says otherwise
+    print(f"GGUF engines: dtype {args.gguf_dtype}", flush=True)
     engines = {
-        # GGUF engines in float32, as the smollm2 part runs them
         name: LLM(
             model=str(path),
-            dtype="bfloat16" if name == "bf16" else "float32",
+            dtype="bfloat16" if name == "bf16" else args.gguf_dtype,
             num_kv_blocks=num_blocks,
             max_model_len=max_model_len,
         )
