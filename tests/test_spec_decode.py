@@ -405,7 +405,6 @@ def test_verification_runs_fused_and_equals_plain_decoding(fused_calls: list[int
     a decode) runs fused too, with the same kernels and one reduction order per
     row (linear_kernel="rust": the LM head too), so greedy tokens are identical
     to decoding without speculation, not just close."""
-    rows = fused_calls
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     outs = {}
     for spec in (None, NGRAM):
@@ -417,7 +416,7 @@ def test_verification_runs_fused_and_equals_plain_decoding(fused_calls: list[int
                 for p in PROMPTS[:3]
             ]
     assert outs[False] == outs[True]
-    assert max(rows) > 1, "no verification step ran fused"
+    assert max(fused_calls) > 1, "no verification step ran fused"
 
 
 def test_gguf_verifications_of_several_requests_run_fused(
@@ -430,7 +429,6 @@ def test_gguf_verifications_of_several_requests_run_fused(
     rows do not depend on each other)."""
     from asyncllm.models.fused_decode import GGUF_MAX_ROWS
 
-    tokens = fused_calls
     chats = [[{"role": "user", "content": c}] for c in SMOLLM2_CHATS[:5]]
     params = SamplingParams(max_tokens=32, temperature=0)
     spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, **FIXED}
@@ -444,7 +442,7 @@ def test_gguf_verifications_of_several_requests_run_fused(
         ) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)])
     assert outs[0] == outs[1]
-    assert max(tokens) > GGUF_MAX_ROWS, "no verification of several requests ran fused"
+    assert max(fused_calls) > GGUF_MAX_ROWS, "no verification of several requests ran fused"
 
 
 def test_gguf_steps_mixing_verifications_and_prompts_run_fused(

@@ -129,6 +129,8 @@ def _set_token_wise_spans(
     the prompts beside them where `prompt_runs` takes prompts; with `prompt_runs`
     alone, the prompts (see `gather_step_inputs`)."""
     n, total = len(q), int(pos.shape[0])
+    if nd is None and (total == n or not (token_wise or prompt_runs)):
+        return  # decodes only, or nothing that attends token-wise: every step's case
     dec = int(np.count_nonzero(q == 1))  # decodes come first, one token each
     small = total * tables.shape[1] <= MAX_TOKEN_TABLE
     if token_wise and total > n:
