@@ -187,10 +187,12 @@ def test_reply_streams_into_the_page(browser):
 def stop_a_reply(browser) -> str:
     """Sends a long reply, clicks stop once it streams, and gives how it finished."""
     by_id(browser, "clear").click()  # a reply of 400 tokens leaves no room for more
+    where = by_id(browser, "stop").rect
     send(browser, "Keep going.", 400, {"ignore_eos": True})  # the context is 512 tokens
     wait_for(lambda: last_reply(browser).get_attribute("data-state") == "streaming")
     reply = last_reply(browser)
-    wait_for(lambda: reply.find_element(By.CLASS_NAME, "content").text)
+    wait_for(lambda: len(reply.find_element(By.CLASS_NAME, "content").text) > 20)
+    assert by_id(browser, "stop").rect == where  # the streaming text never moves it
     by_id(browser, "stop").click()
     wait_for(lambda: reply.get_attribute("data-state") == "done")
     return reply.get_attribute("data-finish")
