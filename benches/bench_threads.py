@@ -201,21 +201,28 @@ def library_main(model: Path, cands: list[Candidate], rounds: int, sizes: dict[s
     """`--library`: AsyncLLM in-process and multiprocess, each candidate and defaults."""
     named: list[tuple[str, Candidate | None]] = [("defaults", None)]
     named += [(c.name, c) for c in cands]
+    runs = [
+        (name, cand, mp)
+        for name, cand in named
+        for mp in (False, True)
+        if not (
+            cand is not None and cand.pin and not mp
+        )  # an in-process core can't be pinned apart
+    ]
     rows: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
-        for name, cand in named:
-            for mp in (False, True):
-                if cand is not None and cand.pin and not mp:
-                    continue  # a core in a thread of this process cannot be pinned apart
-                res = async_run(model, cand, mp, sizes)
-                key = f"{'multiprocess' if mp else 'in-process'}: {name}"
-                for k, v in res.items():
-                    rows.setdefault(key, {}).setdefault(k, []).append(v)
-                print(
-                    f"round {r + 1} {key}: {res['tps']:.0f} tok/s, "
-                    f"itl p50 {res['itl_p50']:.1f} ms p99 {res['itl_p99']:.1f} ms"
-                )
-                sys.stdout.flush()
+        # the order reversed every other round (as `bench_quant.py`'s rows): in a
+        # fixed order each setting had the same place and neighbours every round
+        for name, cand, mp in runs if r % 2 == 0 else runs[::-1]:
+            res = async_run(model, cand, mp, sizes)
+            key = f"{'multiprocess' if mp else 'in-process'}: {name}"
+            for k, v in res.items():
+                rows.setdefault(key, {}).setdefault(k, []).append(v)
+            print(
+                f"round {r + 1} {key}: {res['tps']:.0f} tok/s, "
+                f"itl p50 {res['itl_p50']:.1f} ms p99 {res['itl_p99']:.1f} ms"
+            )
+            sys.stdout.flush()
     print("\n| AsyncLLM, 64 streams | tok/s | itl p50 ms | itl p99 ms | p99 / p50 | tok/s / best |")
     print("|---|---:|---:|---:|---:|---:|")
     for mode in ("in-process", "multiprocess"):
