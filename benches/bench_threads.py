@@ -201,13 +201,13 @@ def library_main(model: Path, cands: list[Candidate], rounds: int, sizes: dict[s
     """`--library`: AsyncLLM in-process and multiprocess, each candidate and defaults."""
     named: list[tuple[str, Candidate | None]] = [("defaults", None)]
     named += [(c.name, c) for c in cands]
+    # every setting in-process and multiprocess, but a pinned one multiprocess only:
+    # a core in a thread of this process cannot be pinned apart from it
     runs = [
         (name, cand, mp)
         for name, cand in named
         for mp in (False, True)
-        if not (
-            cand is not None and cand.pin and not mp
-        )  # an in-process core can't be pinned apart
+        if mp or cand is None or not cand.pin
     ]
     rows: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
